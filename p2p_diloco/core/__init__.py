@@ -1,0 +1,1 @@
+"""The network-free algorithm core: outer optimizer, delayed updates, DyLU, eager step, codecs."""
