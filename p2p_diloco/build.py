@@ -1,0 +1,52 @@
+"""Assemble a peer's local training pieces (tokenizer, model, data, trainer) from a :class:`TrainConfig`.
+
+The simulator, ``run_peer`` and the preflight all build through here, so a flag means the same thing
+everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from p2p_diloco.config import TrainConfig
+from p2p_diloco.data.loader import DataPosition, PeerTokenStream, eval_batches
+from p2p_diloco.data.sources import open_text_dataset
+from p2p_diloco.data.tokenizer import Tokenizer, load_tokenizer
+from p2p_diloco.models import PRESETS, build_model, model_fingerprint
+from p2p_diloco.trainer import InnerTrainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalSetup:
+    """What a peer trains with; the swarm layer gets only ``trainer.parameters()``."""
+
+    cfg: TrainConfig
+    tokenizer: Tokenizer
+    model: PreTrainedModel
+    stream: PeerTokenStream
+    trainer: InnerTrainer
+    eval_batches: list[torch.Tensor]
+    fingerprint: str
+
+
+def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = None) -> LocalSetup:
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.model, tuple(PRESETS))
+    model = build_model(cfg.model.model, tokenizer.vocab_size, cfg.model.seq_len, seed=cfg.run.seed)
+    train = open_text_dataset(cfg.data.dataset, "train", cfg.data.text_field, cfg.data.dataset_config)
+    held_out = open_text_dataset(cfg.data.dataset, "eval", cfg.data.text_field, cfg.data.dataset_config)
+    stream = PeerTokenStream(
+        train, tokenizer, cfg.model.seq_len, cfg.inner.batch_size, peer_id,
+        text_field=cfg.data.text_field, num_shards=cfg.data.virtual_shards, seed=cfg.run.seed,
+        position=position,
+    )
+    evals = eval_batches(
+        held_out, tokenizer, cfg.model.seq_len, cfg.inner.micro_batch, cfg.data.eval_batches, cfg.data.text_field
+    )
+    trainer = InnerTrainer(model, cfg.inner, stream)
+    return LocalSetup(cfg, tokenizer, model, stream, trainer, evals, model_fingerprint(model, cfg.model.model))

@@ -1,0 +1,1 @@
+"""Command-line entry points: run_peer, run_bootstrap and the demo."""

@@ -1,0 +1,259 @@
+"""The configuration of a training peer, as dataclasses.
+
+Each field carries its documentation right under it; :mod:`p2p_diloco.config_loader` turns the same
+fields into CLI flags, environment variables and config-file keys. Validation lives in ``__post_init__``
+and raises ``ValueError("field: what is wrong; what is allowed")``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+CODECS = ("none", "fp16", "int8", "4bit")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = (low < value if low_open else low <= value) and value <= high and math.isfinite(value)
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name}: must be in {bracket}{low}, {high}], got {value}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model every peer of the run trains."""
+
+    model: str = "tiny"
+    """A preset (tiny ~1M params, small ~20M, 150m ~150M; Llama architecture) or a Hugging Face causal-LM
+    id or local path. Presets are built from scratch; a name or path is loaded with from_pretrained."""
+
+    seq_len: int = 128
+    """Tokens per training sequence. Longer sequences cost memory quadratically in attention; 128 suits the
+    tiny preset on CPU, 512-2048 suit GPUs."""
+
+    def __post_init__(self) -> None:
+        if not self.model or not self.model.strip():
+            raise ValueError("model: must name a preset (tiny, small, 150m) or a Hugging Face model")
+        if not 8 <= self.seq_len <= 65536:
+            raise ValueError(f"seq_len: must be in [8, 65536], got {self.seq_len}")
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it is tokenized."""
+
+    dataset: str = "embedded"
+    """'embedded' (the synthetic corpus shipped with the package, no network), a local .txt/.jsonl/.json/
+    .parquet file or a folder of them, or 'hf:NAME' for a Hugging Face dataset streamed from the hub."""
+
+    dataset_config: str | None = None
+    """Configuration name of a hub dataset (e.g. 'en' for allenai/c4); ignored for other sources."""
+
+    text_field: str = "text"
+    """Column holding the text in jsonl/parquet files and hub datasets."""
+
+    tokenizer: str | None = None
+    """'byte' (no download) or a Hugging Face tokenizer id/path. Default: 'byte' for presets, the model's
+    own tokenizer for a Hugging Face model."""
+
+    virtual_shards: int = 256
+    """How many slices the data is cut into for peers to walk. Each peer starts at a slice derived from its
+    peer id; two peers overlap only when one walk reaches the other's start, so set this well above the
+    number of peers you expect (the default suits up to ~50)."""
+
+    eval_batches: int = 8
+    """Batches of the held-out split per evaluation. More batches give a less noisy eval loss."""
+
+    def __post_init__(self) -> None:
+        if not self.dataset:
+            raise ValueError("dataset: must be 'embedded', a local file/folder, or 'hf:NAME'")
+        if not 1 <= self.virtual_shards <= 1_000_000:
+            raise ValueError(f"virtual_shards: must be in [1, 1000000], got {self.virtual_shards}")
+        if not 1 <= self.eval_batches <= 10_000:
+            raise ValueError(f"eval_batches: must be in [1, 10000], got {self.eval_batches}")
+
+
+@dataclass
+class InnerConfig:
+    """The local (inner) optimizer each peer runs between averaging rounds."""
+
+    batch_size: int = 16
+    """Sequences per inner optimizer step on this peer. Reached with gradient accumulation when
+    micro_batch_size is smaller."""
+
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward pass; lower it when the batch does not fit in memory. Must divide
+    batch_size. Default: batch_size."""
+
+    lr: float = field(default=4e-4, metadata={"flag": "inner-lr"})
+    """Peak AdamW learning rate. The DiLoCo paper uses 4e-4 for 150M models; tiny models tolerate 1e-3."""
+
+    warmup_steps: int = 1000
+    """Linear warmup steps before the cosine decay (the DiLoCo paper uses 1000)."""
+
+    total_steps: int = 0
+    """Inner steps over which the learning rate decays by cosine to min_lr_ratio x lr. 0: derive from
+    max_rounds x local_steps when max_rounds is set, else keep the peak after warmup."""
+
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (the DiLoCo paper uses 0.1)."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    device: str = "auto"
+    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """'auto' uses bf16 autocast on CUDA devices that support it and fp32 elsewhere."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch_size <= 65536:
+            raise ValueError(f"batch_size: must be in [1, 65536], got {self.batch_size}")
+        if self.micro_batch_size is not None and (
+            self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size
+        ):
+            raise ValueError(
+                f"micro_batch_size: must be >= 1 and divide batch_size={self.batch_size}, "
+                f"got {self.micro_batch_size}"
+            )
+        _check_range("lr", self.lr, 0.0, 1.0, low_open=True)
+        if not 0 <= self.warmup_steps <= 10_000_000:
+            raise ValueError(f"warmup_steps: must be in [0, 10000000], got {self.warmup_steps}")
+        if self.total_steps < 0:
+            raise ValueError(f"total_steps: must be >= 0, got {self.total_steps}")
+        _check_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_range("weight_decay", self.weight_decay, 0.0, 10.0)
+        _check_range("grad_clip", self.grad_clip, 0.0, 1e6)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
+            raise ValueError(f"device: must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"precision: must be auto, fp32 or bf16, got {self.precision!r}")
+
+    @property
+    def micro_batch(self) -> int:
+        return self.micro_batch_size or self.batch_size
+
+
+@dataclass
+class OuterConfig:
+    """The outer optimizer and the round structure shared by the swarm."""
+
+    local_steps: int = 500
+    """Inner steps per round for the fastest peer (H). Slower peers run fewer (DyLU). Larger H means less
+    communication; the DiLoCo paper uses 500. Pick H so a round takes well over the all-reduce time."""
+
+    lr: float = field(default=0.7, metadata={"flag": "outer-lr"})
+    """Outer learning rate. 0.7 with Nesterov momentum 0.9 was robust in the DiLoCo paper; 1.0 with no
+    momentum is FedAvg."""
+
+    momentum: float = field(default=0.9, metadata={"flag": "outer-momentum"})
+    """Outer Nesterov momentum; 0 turns the outer step into plain SGD."""
+
+    min_local_steps: int = 5
+    """Floor on a slow peer's DyLU step count, so that its contribution is worth the round trip."""
+
+    compression: Literal["none", "fp16", "int8", "4bit"] = "none"
+    """Codec for pseudo-gradients on the wire: fp16 halves the bytes, int8 quarters them, 4bit sends about
+    1/8 of fp32 (per-block scales)."""
+
+    error_feedback: bool = False
+    """Keep what lossy compression dropped and add it to the next round's pseudo-gradient."""
+
+    max_staleness: int = 4
+    """Late work older than this many rounds is dropped instead of folded in."""
+
+    staleness_decay: float = 1.0
+    """Late work of staleness s is weighted by staleness_decay**(s-1); 1.0 treats it as the paper's DN."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.local_steps <= 1_000_000:
+            raise ValueError(f"local_steps: must be in [1, 1000000], got {self.local_steps}")
+        _check_range("lr", self.lr, 0.0, 10.0, low_open=True)
+        _check_range("momentum", self.momentum, 0.0, 0.999)
+        if not 1 <= self.min_local_steps <= self.local_steps:
+            raise ValueError(
+                f"min_local_steps: must be in [1, local_steps={self.local_steps}], got {self.min_local_steps}"
+            )
+        if self.compression not in CODECS:
+            raise ValueError(f"compression: must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        if not 0 <= self.max_staleness <= 1000:
+            raise ValueError(f"max_staleness: must be in [0, 1000], got {self.max_staleness}")
+        _check_range("staleness_decay", self.staleness_decay, 0.0, 1.0)
+
+
+@dataclass
+class RunConfig:
+    """Identity of the run and what this peer keeps on disk."""
+
+    run_id: str = "p2p-diloco-demo"
+    """Name shared by every peer of one training run; peers with another run id are never averaged with.
+    Letters, digits, '.', '_' and '-', at most 64 characters."""
+
+    seed: int = 0
+    """Seed for model initialisation (shared by the run) and local data order (mixed with the peer id)."""
+
+    max_rounds: int = 0
+    """Stop after this many outer rounds; 0 runs until interrupted."""
+
+    checkpoint_dir: str | None = None
+    """Folder for checkpoints (safetensors + JSON manifest). Default: no checkpoints."""
+
+    checkpoint_every: int = 1
+    """Save a checkpoint every this many rounds."""
+
+    keep_checkpoints: int = 3
+    """How many complete checkpoints to keep; older ones are deleted after a new one is written."""
+
+    resume: bool = False
+    """Continue from the newest complete checkpoint in checkpoint_dir."""
+
+    log_file: str | None = None
+    """Write one JSON line per event (round, eval, ...) to this file."""
+
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0.0.0.0). Default: no metrics endpoint."""
+
+    eval_every: int = 1
+    """Evaluate on the held-out split every this many rounds; 0 disables."""
+
+    def __post_init__(self) -> None:
+        if not _RUN_ID.match(self.run_id):
+            raise ValueError(
+                f"run_id: use 1-64 letters, digits, '.', '_' or '-' starting with a letter or digit, "
+                f"got {self.run_id!r}"
+            )
+        if self.max_rounds < 0:
+            raise ValueError(f"max_rounds: must be >= 0, got {self.max_rounds}")
+        if not 1 <= self.checkpoint_every <= 1_000_000:
+            raise ValueError(f"checkpoint_every: must be in [1, 1000000], got {self.checkpoint_every}")
+        if not 1 <= self.keep_checkpoints <= 1000:
+            raise ValueError(f"keep_checkpoints: must be in [1, 1000], got {self.keep_checkpoints}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume: needs checkpoint_dir; pass --checkpoint-dir DIR")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"metrics_port: must be in [1, 65535], got {self.metrics_port}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every: must be >= 0, got {self.eval_every}")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a single peer needs to train locally; the swarm settings nest beside it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.inner.total_steps == 0 and self.run.max_rounds:
+            self.inner.total_steps = self.run.max_rounds * self.outer.local_steps
