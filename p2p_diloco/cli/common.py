@@ -50,6 +50,9 @@ def setup_logging(verbose: bool = False) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    import datasets
+
+    datasets.disable_progress_bars()
     # hivemind and the HTTP stack are chatty at INFO; their warnings still show.
     for name in ("hivemind", "httpx", "urllib3", "filelock", "datasets"):
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)

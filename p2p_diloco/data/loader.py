@@ -63,8 +63,8 @@ class PeerTokenStream:
     """Yields ``[batch, seq_len]`` LongTensors of packed text for one peer, forever.
 
     Documents are joined with the EOS token and cut into ``seq_len`` tokens; a sequence may span
-    documents, as in GPT-style pretraining. After a resume, the partly filled sequence is lost (at most
-    ``seq_len`` tokens).
+    documents, as in GPT-style pretraining. After a resume, text that was read ahead into the packing
+    buffer but not yet trained on is skipped (at most 16 documents).
     """
 
     def __init__(
