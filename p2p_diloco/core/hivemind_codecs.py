@@ -1,0 +1,178 @@
+"""Plugging the pseudo-gradient codecs into hivemind's all-reduce.
+
+hivemind serializes every tensor part as a ``runtime_pb2.Tensor`` whose ``compression`` field
+is a closed protobuf enum (NONE, MEANSTD_16BIT, FLOAT16, QUANTILE_8BIT, UNIFORM_8BIT,
+BLOCKWISE_8BIT). The receiving side never asks the averager which compression it was built
+with: ``hivemind.compression.deserialize_torch_tensor`` looks the enum name up in the
+module-level table ``hivemind.compression.serialization._BASE_COMPRESSION_TYPES``, and a
+reducer re-encodes the averaged part it sends back with ``serialize_torch_tensor(...,
+part.compression)``, i.e. with the *table's* instance for that slot.
+
+There is no free enum value, so our codecs borrow the ``BLOCKWISE_8BIT`` slot:
+hivemind's own BlockwiseQuantization needs bitsandbytes, which p2p_diloco does not depend
+on, so the slot is otherwise dead. :func:`install` puts a :class:`CodecCompression` into that
+table slot. Every payload starts with a small header naming the codec and block size, so the
+installed instance decodes any of our codecs, and a payload from a peer running plain
+hivemind's BlockwiseQuantization is rejected with a clear error instead of being misread.
+
+Wiring (done by the swarm, identically on every peer, before the averager starts)::
+
+    compression = CodecCompression("4bit", block_size=128)
+    install(compression)                       # routes extract() and the reducer's replies
+    averager = hivemind.DecentralizedAverager(..., compression=compression)
+
+Keep ``state_compression`` lossless (hivemind's ``NoCompression``) so downloaded parameters
+are exact. Where hivemind's own strategies fit they may be used instead and need no
+install: ``NoCompression`` is equivalent to ``none`` and ``Float16Compression`` to ``fp16``
+(ours additionally rejects NaN/inf). hivemind's ``Uniform8BitQuantization`` is not our
+``int8``: it uses one per-tensor range of 6 standard deviations and clips outliers, while
+ours scales each block by its absolute maximum.
+
+Note on lossy codecs: a reducer sends each sender ``average − sender's part``, encoded, so
+with int8/4bit every peer receives the average plus its own small, different rounding
+error; peers' parameters drift apart slowly until the next state synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import struct
+
+import torch
+from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import serialization as _hivemind_serialization
+from hivemind.proto import runtime_pb2
+
+from p2p_diloco.core.codecs import CODEC_NAMES, Codec, ErrorFeedback, get_codec
+
+__all__ = [
+    "HEADER_NBYTES",
+    "HIVEMIND_SLOT",
+    "CodecCompression",
+    "install",
+    "uninstall",
+]
+
+logger = logging.getLogger(__name__)
+
+HIVEMIND_SLOT = "BLOCKWISE_8BIT"
+# magic, format version, codec id, block size
+_HEADER = struct.Struct("<2sBBI")
+HEADER_NBYTES = _HEADER.size
+_MAGIC = b"PD"
+_VERSION = 1
+_CODEC_IDS = {name: index for index, name in enumerate(CODEC_NAMES)}
+_ALLOWED_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@functools.lru_cache(maxsize=16)
+def _codec_for(codec_id: int, block_size: int) -> Codec:
+    """The codec a header names; raises ValueError for an unknown id or a bad block size."""
+    if codec_id >= len(CODEC_NAMES):
+        raise ValueError(f"unknown codec id {codec_id}")
+    name = CODEC_NAMES[codec_id]
+    codec = get_codec(name, block_size) if block_size else get_codec(name)
+    if getattr(codec, "block_size", 0) != block_size:
+        raise ValueError(f"block size {block_size} is invalid for codec {name!r}")
+    return codec
+
+
+class CodecCompression(CompressionBase):
+    """A hivemind ``CompressionBase`` that encodes tensor parts with one of our codecs.
+
+    Args:
+        codec: a codec name (``none``, ``fp16``, ``int8``, ``4bit``) or instance.
+        block_size: block size when ``codec`` is a name.
+        error_feedback: carry each part's quantization error into the next round. Residuals
+            are keyed by ``(info.key, info.part_index)``, which hivemind keeps stable across
+            rounds for a fixed set of tensors; parts without a key (the reducer's replies) are
+            encoded plainly. Use one instance per averaged buffer: two buffers sharing an
+            instance would share residuals.
+    """
+
+    compression_type = runtime_pb2.CompressionType.Value(HIVEMIND_SLOT)
+
+    def __init__(self, codec: Codec | str, block_size: int = 128, *, error_feedback: bool = False) -> None:
+        self.codec = get_codec(codec, block_size) if isinstance(codec, str) else codec
+        if self.codec.name not in _CODEC_IDS:
+            raise ValueError(f"codec {self.codec!r} has no wire id")
+        self._block_size = getattr(self.codec, "block_size", 0)
+        self._header = _HEADER.pack(_MAGIC, _VERSION, _CODEC_IDS[self.codec.name], self._block_size)
+        self.error_feedback = ErrorFeedback(self.codec) if error_feedback else None
+
+    def compress(
+        self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False
+    ) -> runtime_pb2.Tensor:
+        if not torch.is_floating_point(tensor):
+            raise ValueError(f"{type(self).__name__} does not support {tensor.dtype} tensors")
+        dtype_name = str(tensor.dtype).replace("torch.", "")
+        if dtype_name not in _ALLOWED_DTYPES:
+            raise ValueError(f"{type(self).__name__} does not support {tensor.dtype} tensors")
+        if self.error_feedback is not None and info.key is not None:
+            payload = self.error_feedback.encode((info.key, info.part_index), tensor)
+        else:
+            payload = self.codec.encode(tensor)
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=self._header + payload,
+            size=tensor.shape,
+            dtype=dtype_name,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        """Decode a part from any peer; raises ValueError on anything malformed."""
+        buffer = serialized_tensor.buffer
+        if len(buffer) < HEADER_NBYTES:
+            raise ValueError(f"compressed tensor of {len(buffer)} bytes is shorter than the header")
+        magic, version, codec_id, block_size = _HEADER.unpack_from(buffer)
+        if magic != _MAGIC:
+            raise ValueError(
+                f"payload in the {HIVEMIND_SLOT} slot is not a p2p_diloco codec payload; "
+                "is the sending peer missing p2p_diloco.core.hivemind_codecs.install()?"
+            )
+        if version != _VERSION:
+            raise ValueError(f"unsupported codec payload version {version}")
+        dtype = _ALLOWED_DTYPES.get(serialized_tensor.dtype)
+        if dtype is None:
+            raise ValueError(f"unsupported dtype {serialized_tensor.dtype!r} in compressed tensor")
+        codec = _codec_for(codec_id, block_size)
+        shape = tuple(serialized_tensor.size)
+        tensor = codec.decode(memoryview(buffer)[HEADER_NBYTES:], shape).to(dtype)
+        return tensor.requires_grad_(serialized_tensor.requires_grad)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        bits = torch.finfo(info.descriptor.dtype).bits if info.descriptor.dtype.is_floating_point else 32
+        return self.codec.bits_per_value() / bits
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.codec!r}, error_feedback={self.error_feedback is not None})"
+
+
+def install(compression: CodecCompression) -> CompressionBase:
+    """Route hivemind's ``BLOCKWISE_8BIT`` slot to ``compression``; returns what was there.
+
+    Process-wide: affects every averager in this process. Call it on every peer before any
+    all-reduce, with the same codec the averager compresses with (the reducer re-encodes
+    its replies with the installed instance).
+    """
+    if not isinstance(compression, CodecCompression):
+        raise TypeError(f"expected a CodecCompression, got {type(compression).__name__}")
+    table = _hivemind_serialization._BASE_COMPRESSION_TYPES
+    previous = table[HIVEMIND_SLOT]
+    table[HIVEMIND_SLOT] = compression
+    logger.info("hivemind %s slot now carries %r", HIVEMIND_SLOT, compression)
+    return previous
+
+
+def uninstall(previous: CompressionBase) -> None:
+    """Put back what :func:`install` returned."""
+    if previous.compression_type != CodecCompression.compression_type:
+        raise ValueError(f"{previous!r} does not belong in the {HIVEMIND_SLOT} slot")
+    _hivemind_serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] = previous
