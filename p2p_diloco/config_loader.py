@@ -228,10 +228,10 @@ def _flatten_file(data: Mapping[str, Any], leaves: Mapping[str, _Leaf], path: st
 
 
 def build(cls: type[T], args: argparse.Namespace | None = None, config_file: str | None = None,
-          environ: Mapping[str, str] | None = None) -> T:
-    """Build ``cls`` from defaults, then the file, then the environment, then parsed flags."""
+          environ: Mapping[str, str] | None = None, base: Mapping[str, Any] | None = None) -> T:
+    """Build ``cls`` from defaults (``base`` overrides the dataclass's), the file, the environment, flags."""
     leaves = {leaf.dotted: leaf for leaf in _leaves(cls)}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {k: coerce(leaves[k], v, "program defaults") for k, v in (base or {}).items()}
     if config_file:
         for dotted, raw in _flatten_file(read_config_file(config_file), leaves, config_file).items():
             values[dotted] = coerce(leaves[dotted], raw, f"config file {config_file}")

@@ -127,20 +127,28 @@ class InnerTrainer:
         mean = sum(losses) / len(losses) if losses else float("nan")
         return InnerStats(n, samples, tokens, seconds, mean, losses[-1] if losses else float("nan"))
 
-    @torch.no_grad()
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         """Mean token loss over ``batches`` of the held-out split."""
-        self.model.eval()
-        try:
-            total = 0.0
-            for batch in batches:
-                batch = batch.to(self.device)
-                with autocast(self.device, self.amp_dtype):
-                    total += self.model(input_ids=batch, labels=batch).loss.item()
-            return total / max(1, len(batches))
-        finally:
-            self.model.train()
+        return evaluate_model(self.model, batches, self.device, self.amp_dtype)
 
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: PreTrainedModel, batches: Sequence[torch.Tensor], device: torch.device, amp_dtype: torch.dtype | None
+) -> float:
+    """Mean token loss of ``model`` over ``batches``; restores training mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = 0.0
+        for batch in batches:
+            batch = batch.to(device)
+            with autocast(device, amp_dtype):
+                total += model(input_ids=batch, labels=batch).loss.item()
+        return total / max(1, len(batches))
+    finally:
+        model.train(was_training)

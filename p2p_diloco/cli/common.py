@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
-from typing import NoReturn, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from p2p_diloco.config_loader import ConfigError, add_arguments, build
 
@@ -36,10 +36,12 @@ def make_parser(prog: str, description: str, cls: type) -> Parser:
     return parser
 
 
-def parse_config(parser: Parser, cls: type[T], argv: Sequence[str] | None) -> tuple[T, argparse.Namespace]:
+def parse_config(parser: Parser, cls: type[T], argv: Sequence[str] | None,
+                 base: Mapping[str, Any] | None = None) -> tuple[T, argparse.Namespace]:
+    """Parse flags and build ``cls``; ``base`` holds this program's own defaults (below file/env/flags)."""
     args = parser.parse_args(argv)
     try:
-        return build(cls, args, args.config), args
+        return build(cls, args, args.config, base=base), args
     except ConfigError as e:
         usage_error(parser.prog, str(e))
 
