@@ -227,7 +227,10 @@ def test_state_is_a_snapshot_and_empty_before_first_step() -> None:
 @pytest.mark.parametrize(
     ("state", "match"),
     [
-        ({"outer.momentum.0": torch.zeros(3, dtype=torch.float16), "outer.momentum.1": torch.zeros(2)}, "dtype"),
+        (
+            {"outer.momentum.0": torch.zeros(3, dtype=torch.float16), "outer.momentum.1": torch.zeros(2)},
+            "dtype",
+        ),
         ({"outer.momentum.0": torch.zeros(4), "outer.momentum.1": torch.zeros(2)}, "shape"),
         ({"outer.momentum.0": torch.tensor([0.0, math.nan, 0.0]), "outer.momentum.1": torch.zeros(2)}, "NaN"),
         ({"outer.momentum.0": torch.zeros(3)}, "lacks momentum"),

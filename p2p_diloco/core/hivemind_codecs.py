@@ -21,11 +21,16 @@ Wiring (done by the swarm, identically on every peer, before the averager starts
     install(compression)                       # routes extract() and the reducer's replies
     averager = hivemind.DecentralizedAverager(..., compression=compression)
 
+``DecentralizedAverager`` is a ``multiprocessing.Process``: with the ``fork`` start method
+(Linux's default up to Python 3.13) the averager process inherits the installed table, so
+``install`` must run before the averager starts. Under ``spawn``/``forkserver`` the child
+imports hivemind afresh and the slot must be installed again inside the child.
+
 Keep ``state_compression`` lossless (hivemind's ``NoCompression``) so downloaded parameters
 are exact. Where hivemind's own strategies fit they may be used instead and need no
 install: ``NoCompression`` is equivalent to ``none`` and ``Float16Compression`` to ``fp16``
 (ours additionally rejects NaN/inf). hivemind's ``Uniform8BitQuantization`` is not our
-``int8``: it uses one per-tensor range of 6 standard deviations and clips outliers, while
+``int8``: it uses one per-tensor range of ±3 standard deviations and clips outliers, while
 ours scales each block by its absolute maximum.
 
 Note on lossy codecs: a reducer sends each sender ``average − sender's part``, encoded, so
@@ -44,7 +49,7 @@ from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.proto import runtime_pb2
 
-from p2p_diloco.core.codecs import CODEC_NAMES, Codec, ErrorFeedback, get_codec
+from p2p_diloco.core.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, Codec, ErrorFeedback, get_codec
 
 __all__ = [
     "HEADER_NBYTES",
@@ -98,7 +103,9 @@ class CodecCompression(CompressionBase):
 
     compression_type = runtime_pb2.CompressionType.Value(HIVEMIND_SLOT)
 
-    def __init__(self, codec: Codec | str, block_size: int = 128, *, error_feedback: bool = False) -> None:
+    def __init__(
+        self, codec: Codec | str, block_size: int = DEFAULT_BLOCK_SIZE, *, error_feedback: bool = False
+    ) -> None:
         self.codec = get_codec(codec, block_size) if isinstance(codec, str) else codec
         if self.codec.name not in _CODEC_IDS:
             raise ValueError(f"codec {self.codec!r} has no wire id")

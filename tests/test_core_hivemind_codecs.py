@@ -1,0 +1,190 @@
+"""The hivemind compression adapter, and that the rest of the core never imports hivemind."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.compression import (
+    CompressionInfo,
+    NoCompression,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
+from hivemind.compression import serialization as hivemind_serialization
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+import p2p_diloco.core
+from p2p_diloco.core.codecs import CODEC_NAMES, get_codec
+from p2p_diloco.core.hivemind_codecs import HEADER_NBYTES, HIVEMIND_SLOT, CodecCompression, install, uninstall
+
+
+@pytest.fixture
+def restore_hivemind_table() -> Iterator[None]:
+    original = hivemind_serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT]
+    yield
+    hivemind_serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] = original
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_roundtrip_matches_the_codec(name: str) -> None:
+    compression = CodecCompression(name, block_size=64)
+    x = _randn(33, 7).requires_grad_()
+    message = compression.compress(x, CompressionInfo.from_tensor(x, key=0))
+    assert message.compression == runtime_pb2.CompressionType.Value(HIVEMIND_SLOT)
+    assert len(message.buffer) == HEADER_NBYTES + compression.codec.encoded_nbytes(x.numel())
+    y = compression.extract(message)
+    assert y.shape == x.shape and y.requires_grad
+    assert torch.equal(y.detach(), get_codec(name, 64).roundtrip(x.detach()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dtype_is_preserved(dtype: torch.dtype) -> None:
+    compression = CodecCompression("int8")
+    x = _randn(100).to(dtype)
+    y = compression.extract(compression.compress(x, CompressionInfo.from_tensor(x)))
+    assert y.dtype == dtype
+    assert torch.allclose(y.float(), x.float(), atol=0.05)
+
+
+def test_installed_slot_routes_hivemind_serialization(restore_hivemind_table: None) -> None:
+    previous = install(CodecCompression("4bit"))
+    x = _randn(1000, seed=1)
+    message = serialize_torch_tensor(x, runtime_pb2.CompressionType.Value(HIVEMIND_SLOT))
+    assert len(message.buffer) == HEADER_NBYTES + get_codec("4bit").encoded_nbytes(1000)
+    # The installed instance also decodes any of our codecs (the header names it).
+    int8_message = CodecCompression("int8", block_size=32).compress(x, CompressionInfo.from_tensor(x))
+    assert torch.equal(deserialize_torch_tensor(int8_message), get_codec("int8", 32).roundtrip(x))
+    # Streamed in small chunks, as hivemind sends large parts.
+    chunks = list(split_for_streaming(message, chunk_size_bytes=100))
+    assert len(chunks) > 1
+    assert torch.equal(
+        deserialize_torch_tensor(combine_from_streaming(chunks)), get_codec("4bit").roundtrip(x)
+    )
+    uninstall(previous)
+    assert hivemind_serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] is previous
+
+
+def test_install_validation(restore_hivemind_table: None) -> None:
+    with pytest.raises(TypeError):
+        install(NoCompression())  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        uninstall(NoCompression())
+
+
+def test_estimate_compression_ratio() -> None:
+    info32 = CompressionInfo.from_tensor(torch.zeros(10))
+    info16 = CompressionInfo.from_tensor(torch.zeros(10, dtype=torch.float16))
+    assert CodecCompression("4bit").estimate_compression_ratio(info32) == pytest.approx(4.125 / 32)
+    assert CodecCompression("int8").estimate_compression_ratio(info16) == pytest.approx(8.125 / 16)
+    assert CodecCompression("none").estimate_compression_ratio(info32) == 1.0
+
+
+def _message(buffer: bytes, size: tuple[int, ...] = (4,), dtype: str = "float32") -> runtime_pb2.Tensor:
+    return runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.Value(HIVEMIND_SLOT), buffer=buffer, size=size, dtype=dtype
+    )
+
+
+def test_malformed_messages_raise_value_error() -> None:
+    compression = CodecCompression("4bit", block_size=8)
+    good = compression.compress(_randn(4), CompressionInfo.from_tensor(_randn(4)))
+    header, payload = good.buffer[:HEADER_NBYTES], good.buffer[HEADER_NBYTES:]
+    cases = {
+        "shorter than the header": _message(b"PD\x01"),
+        "not a p2p_diloco": _message(b"\x00" * 8 + payload),  # e.g. plain hivemind's blockwise format
+        "version": _message(b"PD\x02" + header[3:] + payload),
+        "unknown codec id": _message(b"PD\x01\x09" + header[4:] + payload),
+        "block size": _message(header[:4] + (0).to_bytes(4, "little") + payload),
+        "dtype": _message(good.buffer, dtype="int64"),
+        "bytes": _message(good.buffer, size=(5,)),
+    }
+    for match, message in cases.items():
+        with pytest.raises(ValueError, match=match):
+            compression.extract(message)
+    with pytest.raises(ValueError, match="block size"):
+        compression.extract(
+            _message(b"PD\x01\x00" + (8).to_bytes(4, "little") + torch.zeros(4).numpy().tobytes())
+        )
+
+
+def test_error_feedback_per_part_key() -> None:
+    compression = CodecCompression("4bit", error_feedback=True)
+    x = _randn(300, seed=2)
+    info = CompressionInfo.from_tensor(x, key=3).get_part(1, 300)
+    first = compression.extract(compression.compress(x, info))
+    assert compression.error_feedback is not None
+    residual = compression.error_feedback.residual((3, 1))
+    assert residual is not None and torch.allclose(residual, x - first)
+    second = compression.extract(compression.compress(x, info))
+    assert not torch.equal(first, second)  # the second round carries the first round's error
+    # Replies (no key) are encoded plainly and leave the residuals alone.
+    compression.compress(x, CompressionInfo.from_tensor(x))
+    assert len(compression.error_feedback) == 1
+
+
+def test_core_modules_do_not_import_hivemind() -> None:
+    core_dir = Path(p2p_diloco.core.__file__).parent
+    for path in sorted(core_dir.glob("*.py")):
+        if path.name == "hivemind_codecs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "hivemind" for n in names), f"{path.name} imports hivemind"
+            assert not any(n.endswith("hivemind_codecs") for n in names), f"{path.name} imports the adapter"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_real_allreduce_between_two_averagers(restore_hivemind_table: None) -> None:
+    """Two averagers on localhost average through the installed int8 codec, parts split mid-block."""
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    compression = CodecCompression("int8", block_size=128)
+    install(compression)  # before the averagers start: their processes are forked from this one
+    first = [_randn(3000, seed=1), _randn(50, 7, seed=2)]
+    second = [_randn(3000, seed=3), _randn(50, 7, seed=4)]
+    exact = [(x + y) / 2 for x, y in zip(first, second, strict=True)]
+    dhts: list[hivemind.DHT] = []
+    averagers: list[DecentralizedAverager] = []
+    try:
+        dhts.append(hivemind.DHT(start=True))
+        dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True))
+        for tensors, dht in zip((first, second), dhts, strict=True):
+            averager = DecentralizedAverager(
+                [t.clone() for t in tensors],
+                dht=dht,
+                prefix="core_codec_test",
+                target_group_size=2,
+                min_group_size=2,
+                compression=compression,
+                part_size_bytes=2000,
+                start=True,
+            )
+            averagers.append(averager)
+        futures = [averager.step(wait=False, timeout=30) for averager in averagers]
+        assert all(future.result() is not None for future in futures)
+        # One int8 rounding on the way to the reducer and one on the way back.
+        bound = 2 * max(float(t.abs().max()) for t in first + second) / 254 * (1 + 2.0**-7)
+        for averager in averagers:
+            with averager.get_tensors() as averaged:
+                for got, want in zip(averaged, exact, strict=True):
+                    assert float((got - want).abs().max()) <= bound
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
