@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure, writing JSON and plots to benchmarks/results/ and tables to BENCHMARKS.md."""
