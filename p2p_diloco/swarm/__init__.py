@@ -1,1 +1,41 @@
-"""The hivemind swarm layer: epochs in the DHT, fault-tolerant rounds, state download."""
+"""The hivemind swarm layer: DHT start-up, progress and checksum records, fault-tolerant averaging rounds
+and verified state download. It moves lists of tensors and metadata; the caller applies the math."""
+
+from p2p_diloco.swarm.averager import RoundAverager, RoundResult
+from p2p_diloco.swarm.checksum import layout_fingerprint, params_sha256
+from p2p_diloco.swarm.config import SwarmConfig
+from p2p_diloco.swarm.dht import SwarmStartError, ensure_identity, start_dht, visible_maddrs
+from p2p_diloco.swarm.records import (
+    PeerProgress,
+    fetch_checksums,
+    fetch_progress,
+    global_epoch,
+    install_validators,
+    majority_checksum,
+    publish_checksum,
+    publish_progress,
+)
+from p2p_diloco.swarm.state import StateServer, SwarmState, download_state
+
+__all__ = [
+    "PeerProgress",
+    "RoundAverager",
+    "RoundResult",
+    "StateServer",
+    "SwarmConfig",
+    "SwarmStartError",
+    "SwarmState",
+    "download_state",
+    "ensure_identity",
+    "fetch_checksums",
+    "fetch_progress",
+    "global_epoch",
+    "install_validators",
+    "layout_fingerprint",
+    "majority_checksum",
+    "params_sha256",
+    "publish_checksum",
+    "publish_progress",
+    "start_dht",
+    "visible_maddrs",
+]

@@ -1,0 +1,504 @@
+"""One round of pseudo-gradient averaging over the swarm: ``RoundAverager.average(...) -> RoundResult``.
+
+A round is: find a group (hivemind matchmaking, gathering every member's ``MemberInfo``), agree on a plan
+(``group.plan_group``: compatible members, fresh-only or fresh+stale layout, scales), run hivemind's butterfly
+all-reduce over the pre-scaled buffers, then a tiny second all-reduce in the same group, the completion check,
+in which every member reports whether its own view of the first one was complete. Only when every member
+confirms is the round "averaged"; any failure anywhere makes it "skipped" for everyone who hears of it, so a
+partial average is never returned as the full one.
+
+``RoundAverager`` subclasses hivemind's ``DecentralizedAverager`` rather than wrapping it because the pieces it
+changes are hooks of that class that run inside its background process: the per-round step (``_step``), the
+group registration (``_register_allreduce_group``) and the aggregation of a formed group
+(``_aggregate_with_group``); matchmaking, the RPC servicer and shutdown are inherited unchanged, and state
+serving comes from ``state.StateSharingMixin``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.compression import CompressionBase, NoCompression
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+
+from p2p_diloco.swarm.config import SwarmConfig
+from p2p_diloco.swarm.group import MAX_STALENESS, MAX_WEIGHT, GroupPlan, MemberInfo, encode_gather, plan_group
+from p2p_diloco.swarm.runner import ByteCounter, CountingAllReduceRunner, FaultHook
+from p2p_diloco.swarm.state import StateSharingMixin
+
+logger = logging.getLogger(__name__)
+
+_STATUS_SUFFIX = b".done"
+_HOST_GRACE_S = 10.0
+
+
+@dataclass
+class RoundResult:
+    """What one round produced for this peer. Tensors are on the CPU, in the template's dtypes."""
+
+    outcome: str
+    """"averaged" (every member confirmed a complete all-reduce) or "skipped" (nothing to apply)."""
+    reason: str
+    """Why the round was skipped; empty when averaged."""
+    epoch: int
+    group_size: int = 0
+    """Members the all-reduce ran over (0 when no group formed)."""
+    contributors: tuple[str, ...] = ()
+    """Base58 peer ids of those members, in the group's order; the tuples below are aligned with it."""
+    weights: tuple[float, ...] = ()
+    stale_weights: tuple[float, ...] = ()
+    stalenesses: tuple[int, ...] = ()
+    refused: tuple[str, ...] = ()
+    """Members of the matched group left out, each as "peer id: reason"."""
+    fresh_mean: list[torch.Tensor] | None = None
+    """Sum w_i D_i / sum w_i over members carrying fresh work."""
+    stale_term: list[torch.Tensor] | None = None
+    """Sum s_j E_j / sum w_i over members carrying stale work; ``None`` when nobody in the group did."""
+    allreduce_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    """Time spent finding the group (matchmaking)."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    """Serialized protobuf payload of the all-reduce messages (see ``runner.ByteCounter``)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def averaged(self) -> bool:
+        return self.outcome == "averaged"
+
+
+def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
+    return dict(outcome=outcome, reason=reason, **values)
+
+
+class RoundAverager(StateSharingMixin, DecentralizedAverager):
+    """Averages pseudo-gradients shaped like ``template`` with the peers of one run and model.
+
+    :param template: tensors with the shapes and floating dtypes of the pseudo-gradients (values unused).
+    :param dht: this peer's DHT (see ``dht.start_dht``).
+    :param cfg: swarm settings; the group sizes and deadlines come from here.
+    :param fingerprint: 8-64 lowercase hex characters naming the model (``checksum.layout_fingerprint``).
+      It is part of the matchmaking prefix, so peers of another model do not even match, and it is checked
+      again in the gathered metadata.
+    :param compression: hivemind codec for the all-reduce parts (default: none). Pre-scaled values are about
+      the size of the weighted mean, so relative-error codecs (fp16, 8-bit) behave as on plain gradients.
+    :param fault_hook: test-only; called in the averager process at "allreduce_begin" and "part_sent".
+
+    Memory: two shared-memory buffers the size of ``template`` (fresh and stale), plus a copy of the result
+    per round. Only one ``average`` call may run at a time.
+    """
+
+    def __init__(
+        self,
+        template: Sequence[torch.Tensor],
+        dht: hivemind.DHT,
+        cfg: SwarmConfig,
+        *,
+        fingerprint: str,
+        compression: CompressionBase | None = None,
+        fault_hook: FaultHook | None = None,
+        start: bool = True,
+    ):
+        if not template:
+            raise ValueError("template must hold at least one tensor")
+        if not all(t.is_floating_point() for t in template):
+            raise ValueError("pseudo-gradients must have floating-point dtypes")
+        if not (
+            isinstance(fingerprint, str)
+            and 8 <= len(fingerprint) <= 64
+            and set(fingerprint) <= set("0123456789abcdef")
+        ):
+            raise ValueError(f"fingerprint must be 8-64 lowercase hex characters, got {fingerprint!r}")
+        self.cfg, self.fingerprint = cfg, fingerprint
+        self.num_tensors = len(template)
+        self._layout = [(tuple(t.shape), t.dtype) for t in template]
+        buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout * 2]
+        self._fault_hook = fault_hook
+        super().__init__(
+            buffers,
+            dht,
+            start=False,
+            prefix=f"{cfg.run_id}_{fingerprint[:16]}",
+            target_group_size=cfg.target_group_size,
+            min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.matchmaking_time_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.allreduce_timeout_s,
+            next_chunk_timeout=cfg.next_chunk_timeout_s,
+            compression=compression if compression is not None else NoCompression(),
+            part_size_bytes=cfg.part_size_bytes,
+            bandwidth=cfg.bandwidth_mbps,
+            client_mode=cfg.client_mode,
+            allow_state_sharing=False,
+            declare_state_period=cfg.declare_state_period_s,
+            shutdown_timeout=cfg.shutdown_timeout_s,
+        )
+        if start:
+            self.run_in_background(await_ready=True, timeout=cfg.startup_timeout_s)
+
+    # ---------------------------------------------------------------- host side
+
+    def _check_tensors(self, name: str, tensors: Sequence[torch.Tensor]) -> None:
+        if len(tensors) != self.num_tensors:
+            raise ValueError(f"{name} holds {len(tensors)} tensors, the template {self.num_tensors}")
+        for i, (tensor, (shape, dtype)) in enumerate(zip(tensors, self._layout, strict=True)):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{name}[{i}] is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{name}[{i}] holds NaN or infinite values")
+
+    def average(
+        self,
+        fresh: Sequence[torch.Tensor] | None,
+        weight: float,
+        staleness: int,
+        epoch: int,
+        stale: Sequence[torch.Tensor] | None = None,
+        stale_weight: float = 0.0,
+    ) -> RoundResult:
+        """Run one round and return its result; never raises for network trouble, never blocks past
+        ``matchmaking_timeout_s + allreduce_timeout_s`` (plus a few seconds).
+
+        :param fresh: this round's pseudo-gradients (theta_start - theta_local), or ``None`` if this peer has
+          none (it still receives the group's aggregates).
+        :param weight: weight of ``fresh`` in the mean, e.g. samples or tokens processed; 0 means no fresh work.
+        :param staleness: age in epochs of ``stale`` (0 when there is none); reported to the group.
+        :param epoch: the round's epoch; only members announcing the same epoch are averaged together.
+        :param stale: an older pseudo-gradient being folded into this round, or ``None``.
+        :param stale_weight: its effective weight (the caller's discount already applied).
+        """
+        for name, value in (("weight", weight), ("stale_weight", stale_weight)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not 0 <= value <= MAX_WEIGHT:
+                raise ValueError(f"{name} must be within [0, {MAX_WEIGHT}], got {value!r}")
+        for name, value, high in (("staleness", staleness, MAX_STALENESS), ("epoch", epoch, 10**9)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+                raise ValueError(f"{name} must be an integer within [0, {high}], got {value!r}")
+        if fresh is not None:
+            self._check_tensors("fresh", fresh)
+        if stale is not None:
+            self._check_tensors("stale", stale)
+        has_fresh = fresh is not None and weight > 0
+        has_stale = stale is not None and stale_weight > 0
+        info = MemberInfo(
+            run_id=self.cfg.run_id,
+            fingerprint=self.fingerprint,
+            epoch=epoch,
+            weight=float(weight) if has_fresh else 0.0,
+            stale_weight=float(stale_weight) if has_stale else 0.0,
+            staleness=staleness if has_stale else 0,
+            has_fresh=has_fresh,
+            has_stale=has_stale,
+        )
+        budget = self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s + _HOST_GRACE_S
+        if not self.is_alive():
+            return RoundResult("skipped", "the averager process is not running", epoch)
+        with self._locked_buffers(budget) as buffers:
+            if buffers is None:
+                return RoundResult(
+                    "skipped", "the averaging buffers stayed busy (a previous round still runs)", epoch
+                )
+            for source, target in (
+                (fresh if has_fresh else None, buffers[: self.num_tensors]),
+                (stale if has_stale else None, buffers[self.num_tensors :]),
+            ):
+                for src, dst in zip(source or (), target, strict=False):
+                    dst.copy_(src.detach())
+        try:
+            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info))
+        except Exception as e:
+            return RoundResult("skipped", f"could not start the round: {e!r}", epoch)
+        try:
+            report = control.result(timeout=budget)
+        except TimeoutError:
+            control.cancel()
+            return RoundResult("skipped", f"no answer from the averager within {budget:.0f} s", epoch)
+        except Exception as e:
+            return RoundResult("skipped", f"round failed: {e!r}", epoch)
+        return self._make_result(report, epoch, budget)
+
+    @contextlib.contextmanager
+    def _locked_buffers(self, timeout: float) -> Iterator[Sequence[torch.Tensor] | None]:
+        if not self.lock_averaged_tensors.acquire(timeout=timeout):
+            yield None
+            return
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
+
+    def _begin_step(self, data_for_gather: bytes) -> StepControl:
+        """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round."""
+        now = get_dht_time()
+        control = StepControl(
+            scheduled_time=now + self.cfg.matchmaking_time_s,
+            deadline=now + self.cfg.matchmaking_timeout_s,
+            allow_retries=False,
+            weight=1.0,
+            data_for_gather=data_for_gather,
+        )
+        future_for_init = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init)))
+        control.attach(*future_for_init.result(timeout=self.cfg.startup_timeout_s))
+        control.allow_allreduce()
+        return control
+
+    def _make_result(self, report: dict[str, Any], epoch: int, timeout: float) -> RoundResult:
+        result = RoundResult(
+            outcome=report["outcome"],
+            reason=report["reason"],
+            epoch=epoch,
+            group_size=len(report.get("peers", ())),
+            contributors=tuple(report.get("peers", ())),
+            weights=tuple(report.get("weights", ())),
+            stale_weights=tuple(report.get("stale_weights", ())),
+            stalenesses=tuple(report.get("stalenesses", ())),
+            refused=tuple(report.get("refused", ())),
+            allreduce_seconds=report.get("allreduce_seconds", 0.0),
+            wait_seconds=report.get("wait_seconds", 0.0),
+            bytes_sent=report.get("bytes_sent", 0),
+            bytes_received=report.get("bytes_received", 0),
+        )
+        if result.refused:
+            logger.warning("Round %d: refused group members: %s", epoch, "; ".join(result.refused))
+        if not result.averaged:
+            logger.info("Round %d skipped: %s", epoch, result.reason)
+            return result
+        with self._locked_buffers(timeout) as buffers:
+            if buffers is None:
+                result.outcome, result.reason = "skipped", "could not read the averaged buffers back"
+                return result
+            result.fresh_mean = [t.clone() for t in buffers[: self.num_tensors]]
+            if report["with_stale"]:
+                result.stale_term = [t.clone() for t in buffers[self.num_tensors :]]
+        if not all(bool(torch.isfinite(t).all()) for t in result.fresh_mean + (result.stale_term or [])):
+            # every member validates its own input, so this means a member sent NaN or inf on purpose
+            result.outcome, result.reason = "skipped", "the aggregate holds NaN or infinite values"
+            result.fresh_mean = result.stale_term = None
+        return result
+
+    # ------------------------------------------------------ averager process side
+
+    async def _step(self, *, step: StepControl, future_for_init: MPFuture) -> None:
+        """One matchmaking attempt and at most one all-reduce; the result is a report dict, not an exception.
+
+        hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
+        scaled, and the caller prefers a prompt "skipped" to a late round anyway.
+        """
+        began = time.monotonic()
+        try:
+            trigger, cancel = MPFuture(), MPFuture()
+            step.attach(trigger, cancel)
+            future_for_init.set_result((trigger, cancel))
+            self._pending_groups_registered.clear()
+            step.stage = AveragingStage.LOOKING_FOR_GROUP
+            matchmaking = asyncio.create_task(self._matchmaking.look_for_group(step))
+            cancelled = asyncio.create_task(step.wait_for_cancel())
+            await asyncio.wait({matchmaking, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            if step.cancelled():
+                matchmaking.cancel()
+                return
+            cancelled.cancel()
+            group_info = await matchmaking
+            waited = time.monotonic() - began
+            if group_info is None:
+                step.set_result(
+                    _report("skipped", "no group formed within matchmaking_timeout_s", wait_seconds=waited)
+                )
+                return
+            await step.wait_for_trigger()
+            with self._register_allreduce_group(group_info):
+                step.stage = AveragingStage.RUNNING_ALLREDUCE
+                try:
+                    report = await asyncio.wait_for(
+                        self._aggregate_with_group(group_info, **self.allreduce_kwargs),
+                        self._allreduce_timeout,
+                    )
+                except asyncio.TimeoutError:
+                    report = _report("skipped", "all-reduce did not finish within allreduce_timeout_s")
+            report["wait_seconds"] = waited
+            step.set_result(report)
+        except Exception as e:
+            logger.warning("Averaging round failed: %r", e)
+            if not step.done():
+                step.set_result(
+                    _report("skipped", f"{type(e).__name__}: {e}", wait_seconds=time.monotonic() - began)
+                )
+        finally:
+            step.stage = AveragingStage.FINISHED
+            self._pending_groups_registered.set()
+            if not step.done():
+                step.set_result(_report("skipped", "round interrupted"))
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
+        """Register the round's all-reduce and its completion check before either starts, so a fast
+        groupmate's first message never finds us unprepared; release waiters of whatever did not run."""
+        group_ids = (group_info.group_id, group_info.group_id + _STATUS_SUFFIX)
+        try:
+            for group_id in group_ids:
+                self._running_groups[group_id] = asyncio.Future()
+            self._pending_groups_registered.set()
+            yield
+        finally:
+            for group_id in group_ids:
+                future = self._running_groups.pop(group_id, None)
+                if future is not None and not future.done():
+                    future.cancel()
+            self._pending_groups_registered.set()
+
+    async def _aggregate_with_group(
+        self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
+    ) -> dict[str, Any]:
+        began = time.monotonic()
+        plan = plan_group(
+            group_info.peer_ids, group_info.gathered, self.peer_id, min_group_size=self.cfg.min_group_size
+        )
+        summary = dict(
+            peers=[p.to_base58() for p in plan.peer_ids],
+            weights=[m.weight for m in plan.members],
+            stale_weights=[m.stale_weight for m in plan.members],
+            stalenesses=[m.staleness for m in plan.members],
+            refused=[f"{peer}: {reason}" for peer, reason in plan.refused],
+            with_stale=plan.with_stale,
+        )
+        if plan.skip_reason is not None:
+            return _report("skipped", plan.skip_reason, **summary)
+        counter = ByteCounter()
+        size = sum(math.prod(shape) for shape, _ in self._layout) * (2 if plan.with_stale else 1)
+        bandwidths = [
+            bw if mode != AveragingMode.CLIENT else 0.0
+            for bw, mode in zip(plan.bandwidths, plan.modes, strict=True)
+        ]
+        fractions = await asyncio.get_running_loop().run_in_executor(
+            None, load_balance_peers, size, bandwidths, min_vector_size
+        )
+        fresh_scale, stale_scale = plan.local_scales(self.peer_id)
+        async with enter_asynchronously(self.get_tensors()) as buffers:
+            tensors = list(buffers[: self.num_tensors])
+            if plan.with_stale:
+                tensors += buffers[self.num_tensors :]
+            with torch.no_grad():
+                for i, tensor in enumerate(tensors):
+                    scale = fresh_scale if i < self.num_tensors else stale_scale
+                    if scale == 0.0:
+                        tensor.zero_()  # not mul_(0): leftovers of a failed round could hold inf
+                    else:
+                        tensor.mul_(scale)
+            if self._fault_hook is not None:
+                self._fault_hook("allreduce_begin")
+            faults = await self._run_allreduce(tensors, plan, fractions, group_info.group_id, counter, kwargs)
+            confirmed, detail = await self._confirm_complete(
+                not faults, plan, fractions, group_info.group_id, counter, kwargs
+            )
+        summary.update(
+            allreduce_seconds=time.monotonic() - began,
+            bytes_sent=counter.sent,
+            bytes_received=counter.received,
+        )
+        if faults:
+            return _report("skipped", "partial all-reduce: " + "; ".join(faults), **summary)
+        if not confirmed:
+            return _report("skipped", detail, **summary)
+        return _report("averaged", "", **summary)
+
+    def _make_runner(
+        self,
+        tensors: Sequence[torch.Tensor],
+        plan: GroupPlan,
+        fractions: Sequence[float],
+        group_id: bytes,
+        counter: ByteCounter,
+        kwargs: dict[str, Any],
+        **overrides: Any,
+    ) -> CountingAllReduceRunner:
+        options = dict(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=plan.peer_ids,
+            peer_fractions=tuple(fractions),
+            weight=1.0,
+            counter=counter,
+            compression=kwargs["compression"],
+            part_size_bytes=kwargs["part_size_bytes"],
+            sender_timeout=kwargs["sender_timeout"],
+            reducer_timeout=kwargs["reducer_timeout"],
+        )
+        options.update(overrides)
+        runner = CountingAllReduceRunner(**options)
+        self._running_groups[group_id].set_result(runner)
+        return runner
+
+    async def _run_allreduce(
+        self,
+        tensors: list[torch.Tensor],
+        plan: GroupPlan,
+        fractions: Sequence[float],
+        group_id: bytes,
+        counter: ByteCounter,
+        kwargs: dict[str, Any],
+    ) -> list[str]:
+        runner = self._make_runner(
+            tensors, plan, fractions, group_id, counter, kwargs, fault_hook=self._fault_hook
+        )
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+        except Exception as e:
+            return [f"all-reduce failed: {e!r}"] + runner.faults()
+        return runner.faults()
+
+    async def _confirm_complete(
+        self,
+        complete: bool,
+        plan: GroupPlan,
+        fractions: Sequence[float],
+        group_id: bytes,
+        counter: ByteCounter,
+        kwargs: dict[str, Any],
+    ) -> tuple[bool, str]:
+        """Second, tiny all-reduce: member k contributes ``n * complete_k`` at position k and zeros elsewhere,
+        so the mean is all ones exactly when every member saw a complete first all-reduce and every member
+        took part in this one. A failure of this check itself also leaves some entry below one."""
+        n = len(plan.peer_ids)
+        status = torch.zeros(n)
+        status[plan.peer_ids.index(self.peer_id)] = float(n) if complete else 0.0
+        runner = self._make_runner(
+            [status], plan, fractions, group_id + _STATUS_SUFFIX, counter, kwargs, compression=NoCompression()
+        )
+        try:
+            async for averaged in runner:
+                status.copy_(averaged)
+        except Exception as e:
+            return False, f"completion check failed: {e!r}"
+        faults = runner.faults()
+        if faults:
+            return False, "completion check incomplete: " + "; ".join(faults)
+        incomplete = [plan.peer_ids[i].to_base58() for i in range(n) if abs(float(status[i]) - 1.0) > 1e-3]
+        if incomplete:
+            return (
+                False,
+                f"{len(incomplete)} member(s) did not complete the all-reduce: {', '.join(incomplete)}",
+            )
+        return True, ""

@@ -1,0 +1,248 @@
+"""Settings of the swarm layer: addresses, identity, group sizes and every network deadline.
+
+The defaults suit volunteers on home links (tens of Mbit/s, 20-200 ms round trips). On loopback, as in the
+tests, every time can be divided by about ten. Each field says how to choose its value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
+_MAX_ADDRESSES = 64
+
+
+def parse_multiaddr(text: str, *, require_peer_id: bool, what: str) -> Multiaddr:
+    """Parse one multiaddr with hivemind's parser; raise ``ValueError`` naming ``what`` and showing an example.
+
+    ``require_peer_id`` demands the trailing ``/p2p/<peer id>`` part that initial peers need: without it the
+    daemon cannot authenticate whom it dials.
+    """
+    hint = (
+        f"expected something like {MULTIADDR_EXAMPLE}"
+        if require_peer_id
+        else "expected e.g. /ip4/0.0.0.0/tcp/31337"
+    )
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{what}: {text!r} is not a multiaddr string; {hint}")
+    try:
+        maddr = Multiaddr(text)
+    except Exception as e:
+        raise ValueError(f"{what}: cannot parse {text!r} ({e}); {hint}") from None
+    if require_peer_id:
+        if "p2p" not in maddr:
+            raise ValueError(f"{what}: {text!r} has no /p2p/<peer id> part; {hint}")
+        try:
+            PeerID.from_base58(maddr["p2p"])
+        except Exception as e:
+            raise ValueError(f"{what}: {text!r} has an invalid peer id ({e}); {hint}") from None
+    return maddr
+
+
+def _check_addresses(
+    name: str, values: list[str], *, require_peer_id: bool, nonzero_port: bool = False
+) -> None:
+    if not isinstance(values, list):
+        raise ValueError(f"{name} must be a list of multiaddr strings, got {type(values).__name__}")
+    if len(values) > _MAX_ADDRESSES:
+        raise ValueError(f"{name} holds {len(values)} addresses; at most {_MAX_ADDRESSES} are allowed")
+    for i, text in enumerate(values):
+        maddr = parse_multiaddr(text, require_peer_id=require_peer_id, what=f"{name}[{i}]")
+        if nonzero_port and any(proto in maddr and maddr[proto] == "0" for proto in ("tcp", "udp")):
+            raise ValueError(f"{name}[{i}]: {text!r} must name an explicit port (port 0 cannot be announced)")
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name} must be within [{low}, {high}], got {value!r}")
+
+
+@dataclass
+class SwarmConfig:
+    """How this peer joins the swarm and how long it waits for others at each stage of a round."""
+
+    run_id: str = "p2p_diloco"
+    """Name of the training run; prefixes every DHT key, so runs sharing a DHT never mix. 1-64 characters of
+    letters, digits, '_' and '-'. Every peer of one run must use the same value."""
+
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of peers already in the swarm, e.g. ``/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...``. Empty only
+    for the very first peer (or a bootstrap node). Give two or three so one offline peer does not stop a join."""
+
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """Where to listen. ``/tcp/0`` picks a free port; a fixed port (e.g. 31337) is needed when you forward it
+    on your router. Use ``/ip4/127.0.0.1/tcp/0`` to stay on this machine."""
+
+    announce_maddrs: list[str] = field(default_factory=list)
+    """Addresses others should dial, when they differ from what the host sees (port forwarding, public IP).
+    Each must name an explicit port. Leave empty to announce what the daemon detects."""
+
+    identity_path: str | None = None
+    """Private key file that fixes this peer's id across restarts (created with mode 0600 if missing). Keep it
+    secret: whoever holds it can impersonate the peer. ``None`` makes a new random id on every start."""
+
+    client_mode: bool = False
+    """Set when this peer cannot accept incoming connections (behind NAT without port forwarding). Clients
+    still contribute to rounds but do not aggregate parts for others nor serve state to joiners."""
+
+    use_relay: bool = True
+    """Let libp2p circuit relays carry traffic to peers behind NAT. Keep on unless every peer is reachable."""
+
+    use_auto_relay: bool = False
+    """Look for a relay that makes this peer reachable while it is behind NAT; pairs with ``use_relay``."""
+
+    nat_port_map: bool | None = None
+    """Ask the home router (UPnP / NAT-PMP) to forward the listening port. ``None`` enables it unless every host
+    address is loopback, where it is useless and would only send discovery packets to the local network."""
+
+    target_group_size: int = 32
+    """Largest group one round forms, 2-1024. Set it at or above the number of peers you expect, so that a round
+    is one swarm-wide average; when more peers arrive they split into several groups whose averages differ
+    (checksums then disagree and the minority resyncs). Powers of two are recommended by hivemind."""
+
+    min_group_size: int = 2
+    """Fewest peers (this one included) a round needs, 2-1024; a smaller group is skipped rather than averaged.
+    Raise it to make each round average over more data at the cost of more skipped rounds."""
+
+    matchmaking_time_s: float = 15.0
+    """How long a group leader keeps accepting members before it starts the round, 0.5-600 s. Choose about the
+    spread of peers' arrival times plus a few DHT round trips: 15 s on home links, 2 s on loopback."""
+
+    matchmaking_timeout_s: float = 60.0
+    """Total time to find a group before the round is skipped, 1-3600 s. Must exceed ``matchmaking_time_s``
+    (leaders wait that long at least); about 3-4x it lets a peer retry with another leader."""
+
+    request_timeout_s: float = 5.0
+    """How long to wait for a potential leader's answer during matchmaking, 0.1-600 s. Must be below
+    ``matchmaking_time_s`` (hivemind breaks matchmaking deadlocks with it). About 10x the round-trip time."""
+
+    allreduce_timeout_s: float = 600.0
+    """Deadline for the all-reduce once the group is formed, 1-86400 s. Set it to about 2x the expected time
+    2*(N-1)/N * S * 8 / B for S bytes of pseudo-gradients on an upload of B bit/s (150M fp32 parameters over
+    20 Mbit/s is about 480 s for the transfer alone). A round past it is skipped."""
+
+    next_chunk_timeout_s: float = 30.0
+    """A groupmate silent for this long during the all-reduce or a state download is treated as failed,
+    0.1-3600 s. Must cover one part (``part_size_bytes``) on the slowest link plus stalls: 512 KiB at 1 Mbit/s
+    takes about 4 s. Too short bans slow but healthy peers; too long delays fault detection."""
+
+    part_size_bytes: int = 2**19
+    """All-reduce messages carry parts of at most this many bytes, 1 KiB-64 MiB. hivemind's 512 KiB default
+    is good for home links; smaller parts detect faults sooner but cost more per-message overhead."""
+
+    bandwidth_mbps: float | None = None
+    """This peer's upload bandwidth in Mbit/s, used to give faster peers a larger share of the reduction.
+    ``None`` assumes the group's average; 0 makes this peer aggregate nothing."""
+
+    state_download_timeout_s: float = 600.0
+    """Deadline for downloading the model and outer-optimizer state from one donor, 1-86400 s. About 2x
+    (state bytes * 8 / your download bit/s); state is 2-3x the model size."""
+
+    declare_state_period_s: float = 30.0
+    """A peer that shares state re-announces itself in the DHT this often, 1-3600 s. Shorter makes new donors
+    visible sooner at the cost of more DHT traffic."""
+
+    progress_ttl_s: float = 120.0
+    """Lifetime of a published progress record, 1-86400 s. Republish at least every half of it; a peer that
+    stops publishing drops out of the swarm's view (epoch, speeds) after this long."""
+
+    checksum_ttl_s: float = 1800.0
+    """Lifetime of a published per-epoch parameter checksum, 1-86400 s. Keep it longer than a few rounds so
+    joiners can verify a downloaded state against the epoch it claims."""
+
+    startup_timeout_s: float = 30.0
+    """Bound on starting the p2p daemon and reaching the initial peers, 1-600 s. Include a TCP connect over a
+    slow link: 30 s on home links, 10 s on loopback."""
+
+    dht_wait_timeout_s: float = 5.0
+    """A DHT request unanswered for this long counts as lost, 0.1-120 s. About 10x the round-trip time."""
+
+    shutdown_timeout_s: float = 5.0
+    """Grace period for background processes to stop before they are terminated, 0.1-120 s."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not RUN_ID_PATTERN.fullmatch(self.run_id):
+            raise ValueError(
+                f"run_id must be 1-64 characters of letters, digits, '_' or '-', got {self.run_id!r}"
+            )
+        _check_addresses("initial_peers", self.initial_peers, require_peer_id=True)
+        _check_addresses("host_maddrs", self.host_maddrs, require_peer_id=False)
+        if not self.host_maddrs:
+            raise ValueError("host_maddrs must hold at least one address, e.g. /ip4/0.0.0.0/tcp/0")
+        _check_addresses("announce_maddrs", self.announce_maddrs, require_peer_id=False, nonzero_port=True)
+        if self.identity_path is not None and (
+            not isinstance(self.identity_path, str) or not self.identity_path
+        ):
+            raise ValueError(
+                f"identity_path must be a non-empty path string or None, got {self.identity_path!r}"
+            )
+        for name in ("client_mode", "use_relay", "use_auto_relay"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.nat_port_map is not None and not isinstance(self.nat_port_map, bool):
+            raise ValueError(f"nat_port_map must be true, false or None, got {self.nat_port_map!r}")
+
+        _check_range("target_group_size", self.target_group_size, 2, 1024, integer=True)
+        _check_range("min_group_size", self.min_group_size, 2, 1024, integer=True)
+        if self.min_group_size > self.target_group_size:
+            raise ValueError(
+                f"min_group_size ({self.min_group_size}) must not exceed target_group_size ({self.target_group_size})"
+            )
+        _check_range("matchmaking_time_s", self.matchmaking_time_s, 0.5, 600)
+        _check_range("matchmaking_timeout_s", self.matchmaking_timeout_s, 1, 3600)
+        _check_range("request_timeout_s", self.request_timeout_s, 0.1, 600)
+        if self.matchmaking_timeout_s <= self.matchmaking_time_s:
+            raise ValueError(
+                f"matchmaking_timeout_s ({self.matchmaking_timeout_s}) must exceed matchmaking_time_s "
+                f"({self.matchmaking_time_s})"
+            )
+        if self.request_timeout_s >= self.matchmaking_time_s:
+            raise ValueError(
+                f"request_timeout_s ({self.request_timeout_s}) must be below matchmaking_time_s "
+                f"({self.matchmaking_time_s})"
+            )
+        _check_range("allreduce_timeout_s", self.allreduce_timeout_s, 1, 86400)
+        _check_range("next_chunk_timeout_s", self.next_chunk_timeout_s, 0.1, 3600)
+        if self.next_chunk_timeout_s * 2 >= self.allreduce_timeout_s:
+            raise ValueError(
+                f"next_chunk_timeout_s ({self.next_chunk_timeout_s}) must be below half of allreduce_timeout_s "
+                f"({self.allreduce_timeout_s}) so a silent peer is detected before the round's deadline"
+            )
+        _check_range("part_size_bytes", self.part_size_bytes, 1024, 64 * 2**20, integer=True)
+        if self.bandwidth_mbps is not None:
+            _check_range("bandwidth_mbps", self.bandwidth_mbps, 0, 1e6)
+        _check_range("state_download_timeout_s", self.state_download_timeout_s, 1, 86400)
+        _check_range("declare_state_period_s", self.declare_state_period_s, 1, 3600)
+        _check_range("progress_ttl_s", self.progress_ttl_s, 1, 86400)
+        _check_range("checksum_ttl_s", self.checksum_ttl_s, 1, 86400)
+        _check_range("startup_timeout_s", self.startup_timeout_s, 1, 600)
+        _check_range("dht_wait_timeout_s", self.dht_wait_timeout_s, 0.1, 120)
+        _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.1, 120)
+
+    @classmethod
+    def for_loopback(cls, **overrides: object) -> SwarmConfig:
+        """Settings for peers on one machine (tests, demos): loopback addresses and deadlines about 10x shorter."""
+        values: dict[str, object] = dict(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            use_relay=False,
+            matchmaking_time_s=2.0,
+            matchmaking_timeout_s=15.0,
+            request_timeout_s=1.0,
+            allreduce_timeout_s=30.0,
+            next_chunk_timeout_s=5.0,
+            state_download_timeout_s=30.0,
+            declare_state_period_s=5.0,
+            startup_timeout_s=15.0,
+            dht_wait_timeout_s=3.0,
+        )
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,231 @@
+"""What a formed group agrees on before its all-reduce: who takes part, the tensor layout and the scales.
+
+Every member receives the same gathered metadata (hivemind's matchmaking ``gather``), in the same order, and
+runs the same deterministic ``plan_group`` on it, so all members reach the same plan without talking again.
+
+Normalisation. The group computes two linear aggregates over its compatible members:
+
+- fresh mean  ``F = sum_i w_i * D_i / W``  with ``W = sum_i w_i`` over members carrying fresh work;
+- stale term  ``S = sum_j s_j * E_j / W``  over members carrying stale work, ``s_j`` being the effective
+  weight the caller chose for that contribution (e.g. a staleness discount times its sample count).
+
+Both are obtained from ONE plain mean with hivemind weight 1: member ``k`` of the ``n`` members pre-scales its
+fresh buffer by ``n * w_k / W`` and its stale buffer by ``n * s_k / W`` (zeros when it carries none), so the
+mean ``(1/n) sum_k`` is exactly ``F`` and ``S``. hivemind's per-peer weights cannot express this: one weight
+applies to a peer's whole vector, while here the fresh and stale parts need different weights and the stale
+part is normalised by the FRESH total. Uniform weights also make an incomplete reduction detectable, as the
+expected denominator of every part is exactly ``n``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.p2p import PeerID
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2p_diloco.swarm.config import RUN_ID_PATTERN
+
+GATHER_VERSION = 1
+MAX_WEIGHT = 1e12
+MAX_STALENESS = 10**6
+_MAX_GATHER_BYTES = 4096
+_FINGERPRINT_PATTERN = re.compile(r"^[0-9a-f]{8,64}$")
+_KEYS = frozenset({"v", "run", "fp", "ep", "w", "sw", "st", "f", "s"})
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """What one member announces to its group for a round."""
+
+    run_id: str
+    fingerprint: str
+    epoch: int
+    weight: float
+    """Weight of its fresh pseudo-gradient (e.g. samples or tokens processed); 0 when it carries none."""
+    stale_weight: float
+    """Effective weight of its stale pseudo-gradient, chosen by the caller; 0 when it carries none."""
+    staleness: int
+    """How many epochs old its stale contribution is (0 when it carries none)."""
+    has_fresh: bool
+    has_stale: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": GATHER_VERSION,
+            "run": self.run_id,
+            "fp": self.fingerprint,
+            "ep": self.epoch,
+            "w": float(self.weight),
+            "sw": float(self.stale_weight),
+            "st": self.staleness,
+            "f": self.has_fresh,
+            "s": self.has_stale,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> MemberInfo:
+        """Validate a received metadata dict; ``ValueError`` says what is wrong."""
+        if not isinstance(obj, dict) or set(obj) != _KEYS:
+            raise ValueError("metadata is not a dictionary with the expected fields")
+        if obj["v"] != GATHER_VERSION or isinstance(obj["v"], bool):
+            raise ValueError(f"unsupported metadata version {obj['v']!r}")
+        run_id, fingerprint = obj["run"], obj["fp"]
+        if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+            raise ValueError("invalid run id")
+        if not isinstance(fingerprint, str) or not _FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise ValueError("invalid model fingerprint")
+        for key, high in (("ep", 10**9), ("st", MAX_STALENESS)):
+            value = obj[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+                raise ValueError(f"field {key!r} must be an integer within [0, {high}]")
+        for key in ("w", "sw"):
+            value = obj[key]
+            if isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value):
+                raise ValueError(f"field {key!r} must be a finite float")
+            if not 0.0 <= value <= MAX_WEIGHT:
+                raise ValueError(f"field {key!r} must be within [0, {MAX_WEIGHT}]")
+        if not isinstance(obj["f"], bool) or not isinstance(obj["s"], bool):
+            raise ValueError("flags must be booleans")
+        info = cls(run_id, fingerprint, obj["ep"], obj["w"], obj["sw"], obj["st"], obj["f"], obj["s"])
+        if info.has_fresh != (info.weight > 0) or info.has_stale != (info.stale_weight > 0):
+            raise ValueError("work flags disagree with the weights")
+        return info
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """The outcome of ``plan_group``: identical on every compatible member."""
+
+    peer_ids: tuple[PeerID, ...]
+    """Compatible members in the group's order; the all-reduce runs over exactly these."""
+    members: tuple[MemberInfo, ...]
+    bandwidths: tuple[float | None, ...]
+    modes: tuple[AveragingMode, ...]
+    refused: tuple[tuple[str, str], ...]
+    """``(peer id, reason)`` for every member left out (other run, model or epoch, malformed metadata)."""
+    with_stale: bool
+    """Whether the all-reduce layout carries the stale buffers after the fresh ones."""
+    fresh_weight_total: float
+    skip_reason: str | None
+
+    def local_scales(self, peer_id: PeerID) -> tuple[float, float]:
+        """Factors by which ``peer_id`` multiplies its fresh and stale buffers before the plain mean."""
+        info = self.members[self.peer_ids.index(peer_id)]
+        n = len(self.peer_ids)
+        fresh = n * info.weight / self.fresh_weight_total if info.has_fresh else 0.0
+        stale = n * info.stale_weight / self.fresh_weight_total if info.has_stale else 0.0
+        return fresh, stale
+
+
+def encode_gather(bandwidth: float | None, mode: AveragingMode, info: MemberInfo) -> bytes:
+    """hivemind's gather envelope ``[bandwidth, mode, user bytes]`` carrying ``info``."""
+    return MSGPackSerializer.dumps([bandwidth, mode.value, MSGPackSerializer.dumps(info.to_wire())])
+
+
+def decode_gather(raw: Any) -> tuple[float | None, AveragingMode, MemberInfo]:
+    """Parse and validate one member's gathered bytes; ``ValueError`` on anything unexpected."""
+    if not isinstance(raw, bytes) or len(raw) > _MAX_GATHER_BYTES:
+        raise ValueError("gathered metadata is not bytes of a sane size")
+    try:
+        envelope = MSGPackSerializer.loads(raw)
+    except Exception:
+        raise ValueError("gathered metadata is not valid msgpack") from None
+    if not isinstance(envelope, (list, tuple)) or len(envelope) != 3:
+        raise ValueError("gathered metadata is not hivemind's [bandwidth, mode, data] envelope")
+    bandwidth, mode_id, user_bytes = envelope
+    if bandwidth is not None and (
+        isinstance(bandwidth, bool)
+        or not isinstance(bandwidth, (int, float))
+        or not math.isfinite(bandwidth)
+        or bandwidth < 0
+    ):
+        raise ValueError("invalid bandwidth")
+    if mode_id not in (AveragingMode.NODE.value, AveragingMode.CLIENT.value) or isinstance(mode_id, bool):
+        raise ValueError(f"unsupported averaging mode {mode_id!r}")
+    if not isinstance(user_bytes, bytes):
+        raise ValueError("member data is not bytes")
+    try:
+        user = MSGPackSerializer.loads(user_bytes)
+    except Exception:
+        raise ValueError("member data is not valid msgpack") from None
+    return (
+        (None if bandwidth is None else float(bandwidth)),
+        AveragingMode(mode_id),
+        MemberInfo.from_wire(user),
+    )
+
+
+def plan_group(
+    peer_ids: Sequence[PeerID], gathered: Sequence[bytes], me: PeerID, *, min_group_size: int
+) -> GroupPlan:
+    """Decide who averages with whom and in which layout, from the group's gathered metadata.
+
+    A member is compatible when its metadata parses and it announces our run id, model fingerprint and
+    epoch; the others are refused (never average tensors of a different model or round). Because every
+    compatible member compares against the same values, they all compute the same subset, and the all-reduce
+    proceeds over it; a refused member, comparing against its own values, ends up in a different subset.
+    """
+    if len(peer_ids) != len(gathered) or me not in peer_ids:
+        raise ValueError("group description is inconsistent")
+    decoded: list[tuple[float | None, AveragingMode, MemberInfo] | str] = []
+    for raw in gathered:
+        try:
+            decoded.append(decode_gather(raw))
+        except ValueError as e:
+            decoded.append(str(e))
+    mine = decoded[list(peer_ids).index(me)]
+    if isinstance(mine, str):
+        raise ValueError(f"own metadata does not parse: {mine}")
+    my_info = mine[2]
+
+    keep_ids, keep, refused = [], [], []
+    for peer_id, entry in zip(peer_ids, decoded, strict=True):
+        if isinstance(entry, str):
+            refused.append((peer_id.to_base58(), f"malformed metadata: {entry}"))
+            continue
+        info = entry[2]
+        if info.run_id != my_info.run_id:
+            refused.append(
+                (peer_id.to_base58(), f"run id {info.run_id!r} differs from ours {my_info.run_id!r}")
+            )
+        elif info.fingerprint != my_info.fingerprint:
+            refused.append(
+                (
+                    peer_id.to_base58(),
+                    f"model fingerprint {info.fingerprint} differs from ours {my_info.fingerprint}",
+                )
+            )
+        elif info.epoch != my_info.epoch:
+            refused.append((peer_id.to_base58(), f"epoch {info.epoch} differs from ours {my_info.epoch}"))
+        else:
+            keep_ids.append(peer_id)
+            keep.append(entry)
+
+    fresh_total = math.fsum(info.weight for _, _, info in keep if info.has_fresh)
+    skip_reason = None
+    if len(keep_ids) < min_group_size:
+        skip_reason = f"only {len(keep_ids)} compatible member(s), fewer than min_group_size={min_group_size}"
+    elif all(mode == AveragingMode.CLIENT for _, mode, _ in keep):
+        skip_reason = "every compatible member is a client; nobody can aggregate"
+    elif not fresh_total > 0:
+        skip_reason = "no compatible member carries fresh work"
+    elif not all(
+        math.isfinite(len(keep) * max(info.weight, info.stale_weight) / fresh_total) for _, _, info in keep
+    ):
+        skip_reason = "weights span too many orders of magnitude to normalise"
+    return GroupPlan(
+        peer_ids=tuple(keep_ids),
+        members=tuple(info for _, _, info in keep),
+        bandwidths=tuple(bandwidth for bandwidth, _, _ in keep),
+        modes=tuple(mode for _, mode, _ in keep),
+        refused=tuple(refused),
+        with_stale=any(info.has_stale for _, _, info in keep),
+        fresh_weight_total=fresh_total,
+        skip_reason=skip_reason,
+    )

@@ -1,0 +1,185 @@
+"""hivemind's butterfly all-reduce, made bitwise-reproducible and instrumented (bytes, faults, test hook).
+
+Why bitwise identical results. hivemind's reducers send each sender the DIFFERENCE between the averaged part
+and that sender's own part, which the sender adds back; ``x + (avg - x)`` rounds differently for different
+``x``, so peers end up with averages that differ in the last bits, parameters drift apart and per-epoch
+checksums never agree. Here a reducer serializes each averaged part once (with the run's codec) and sends the
+same bytes to every sender, and uses the decoded bytes for its own share too: every member of the group
+gets exactly the same values.
+
+Why fault detection is needed. When a groupmate fails mid-way, hivemind's ``AllReduceRunner`` does not fail:
+a reducer that loses a sender bans it and averages each remaining part over the senders it still has, and a
+sender whose reducer vanished keeps its OWN values for that reducer's parts. The result is a silently partial
+average (hivemind only logs "received 66.7% results"). ``CountingAllReduceRunner.faults()`` reports what this
+peer can see of that; what it cannot see (another reducer's part being partial) is settled by the group's
+completion check in ``averager.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID, StubBase
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor
+
+logger = logging.getLogger(__name__)
+
+FaultHook = Callable[[str], None]
+"""Called inside the averager process at named stages ("allreduce_begin", "part_sent"); tests use it to
+kill a peer at a precise moment. Production code leaves it ``None``."""
+
+
+@dataclass
+class ByteCounter:
+    """Serialized protobuf payload bytes of all-reduce messages.
+
+    Counts ``ByteSize()`` of every message this peer hands to or receives from the p2p daemon, i.e. the
+    tensor parts after compression plus a few bytes of protobuf fields. libp2p framing, encryption, yamux and
+    TCP/IP headers come on top (a few percent) and are not counted.
+    """
+
+    sent: int = 0
+    received: int = 0
+
+
+async def _count_received(stream: AsyncIterator[Any], counter: ByteCounter) -> AsyncIterator[Any]:
+    async for message in stream:
+        counter.received += message.ByteSize()
+        yield message
+
+
+class _CountingStub:
+    """Wraps a hivemind stub so the averaged parts a reducer sends back to us are counted."""
+
+    def __init__(self, stub: StubBase, counter: ByteCounter):
+        self._stub, self._counter = stub, counter
+
+    async def rpc_aggregate_part(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData]
+    ) -> AsyncIterator[Any]:
+        stream = await self._stub.rpc_aggregate_part(requests)
+        return _count_received(stream, self._counter)
+
+
+class CountingAllReduceRunner(AllReduceRunner):
+    """``AllReduceRunner`` whose output is the averaged tensors themselves (not deltas), identical on every
+    member; it also counts wire bytes, reports faults and calls an optional fault hook.
+
+    Memory: besides hivemind's buffers, a reducer keeps the serialized averages of its share (about 1/n of
+    the vector after compression) until the runner is dropped.
+    """
+
+    def __init__(self, *, counter: ByteCounter, fault_hook: FaultHook | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._counter = counter
+        self._fault_hook = fault_hook
+        self._remote_parts_sent = 0
+        my_index = self.ordered_peer_ids.index(self.peer_id)
+        # hivemind keeps (part, CompressionInfo) pairs here; the infos let the averaged part be compressed
+        # exactly as the input parts were
+        self._my_part_infos = tuple(
+            info for _, info in self.tensor_part_container._input_parts_by_peer[my_index]
+        )
+        self._averaged_parts: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
+
+    def _serialized_average(self, part_index: int, averaged_part: Any) -> asyncio.Future[runtime_pb2.Tensor]:
+        """The one serialization of averaged part ``part_index`` that every sender (and we) receive."""
+        future = self._averaged_parts.get(part_index)
+        if future is None:
+            compression = self.tensor_part_container.compression
+            info = self._my_part_infos[part_index]
+            future = asyncio.get_running_loop().run_in_executor(
+                None, lambda: compression.compress(averaged_part, info, allow_inplace=False)
+            )
+            self._averaged_parts[part_index] = future
+        return future
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged_part = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            serialized = await self._serialized_average(part_index, averaged_part)
+            self.tensor_part_container.register_processed_part(
+                peer_index, part_index, deserialize_torch_tensor(serialized)
+            )
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # hivemind's version, replying with the shared serialized average instead of a per-sender delta
+        part_index = 0
+        try:
+            async for tensor_part, weight in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                except BannedException:
+                    break
+                serialized = await self._serialized_average(part_index, averaged_part)
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _get_peer_stub(self, peer: PeerID) -> StubBase:
+        return _CountingStub(super()._get_peer_stub(peer), self._counter)  # type: ignore[return-value]
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self._counter.sent += message.ByteSize()
+            yield message
+            self._remote_parts_sent += 1
+            if self._fault_hook is not None and self._remote_parts_sent == 1:
+                self._fault_hook("part_sent")
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(_count_received(stream, self._counter), context):
+            self._counter.sent += message.ByteSize()
+            yield message
+
+    def faults(self) -> list[str]:
+        """Reasons why this peer's result may be a partial average; empty when everything it saw completed.
+
+        Checks: senders banned from the parts this peer reduced (their data is missing from those parts),
+        values that fell back to our own because their reducer failed, and the runner ending with an error.
+        """
+        reasons = []
+        if self.banned_senders:
+            names = ", ".join(sorted(peer.to_base58()[-8:] for peer in self.banned_senders))
+            reasons.append(
+                f"{len(self.banned_senders)} sender(s) failed while we reduced our part (...{names})"
+            )
+        failed = self.tensor_part_container.failed_size
+        if failed:
+            reasons.append(
+                f"{failed} of {self.tensor_part_container.total_size} values were not averaged (a reducer failed)"
+            )
+        future = self._future
+        if not future.done():
+            reasons.append("all-reduce did not finish")
+        elif future.cancelled():
+            reasons.append("all-reduce was cancelled")
+        elif future.exception() is not None:
+            reasons.append(f"all-reduce failed: {future.exception()!r}")
+        return reasons

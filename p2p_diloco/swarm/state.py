@@ -1,0 +1,322 @@
+"""State sharing for joiners: serve (parameters, outer-optimizer tensors, metadata) and download it verified.
+
+Serving goes through hivemind's state protocol: a donor announces itself under ``{prefix}.all_averagers``
+with its epoch as priority, and answers ``rpc_download_state`` with msgpack metadata and protobuf tensors from
+``get_current_state`` (nothing is pickled). Downloading asks donors one at a time, highest epoch first, through
+the averager's own stub, and accepts a state only after checking it:
+
+- metadata: run id and model fingerprint equal ours, counts of parameter and optimizer tensors as expected;
+- tensors: count, shapes and dtypes equal the local template, every value finite, byte size bounded;
+- epoch: not older than the swarm's (``records.global_epoch`` unless ``min_epoch`` is given);
+- parameters: their sha256 equals the one the donor claims and, when a strict majority of peers published a
+  checksum for that epoch, equals that majority.
+
+A rejected donor is logged with the reason and the next one is tried. ``None`` means nobody served an
+acceptable state: start fresh if this is the first peer, otherwise wait and retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, ValueWithExpiration
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming
+
+from p2p_diloco.swarm.checksum import params_sha256
+from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_progress, global_epoch, majority_checksum
+
+if TYPE_CHECKING:
+    from p2p_diloco.swarm.averager import RoundAverager
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_MAX_METADATA_BYTES = 65536
+_GRACE_S = 10.0
+StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+@dataclass
+class SwarmState:
+    """A verified state, ready to load: CPU tensors in the template's shapes and dtypes."""
+
+    params: list[torch.Tensor]
+    opt_tensors: list[torch.Tensor]
+    epoch: int
+    params_sha256: str
+    donor: str
+    """Peer id the state came from."""
+    rejected: tuple[str, ...] = ()
+    """Donors tried before, each as "peer id: reason"."""
+
+
+class StateSharingMixin:
+    """State serving and per-donor download, mixed into ``RoundAverager`` (a hivemind averager)."""
+
+    _state_provider: StateProvider | None = None
+
+    def set_state_provider(self, provider: StateProvider | None) -> None:
+        """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
+        self._state_provider = provider
+        self.allow_state_sharing = provider is not None  # type: ignore[attr-defined]
+
+    def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
+        """Called by hivemind in this (host) process when a peer downloads our state."""
+        provider = self._state_provider
+        if provider is None:
+            raise RuntimeError("this peer is not sharing state")
+        metadata, tensors = provider()
+        return metadata, list(tensors), None
+
+    def state_donors(self) -> list[tuple[str, float]]:
+        """Peers announcing shareable state for this run and model: ``(peer id, priority)``, best first."""
+        key = f"{self.prefix}.all_averagers"  # type: ignore[attr-defined]
+        found = self.dht.get(key, latest=True, return_future=True).result(timeout=30)  # type: ignore[attr-defined]
+        if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+            return []
+        donors = []
+        for subkey, entry in list(found.value.items())[:4096]:
+            try:
+                peer = PeerID(subkey)
+            except Exception:
+                continue
+            priority = entry.value if isinstance(entry, ValueWithExpiration) else None
+            if (
+                isinstance(priority, bool)
+                or not isinstance(priority, (int, float))
+                or not math.isfinite(priority)
+            ):
+                continue  # None marks a peer that stopped sharing
+            if peer != self.peer_id:  # type: ignore[attr-defined]
+                donors.append((peer.to_base58(), float(priority), random.random()))
+        return [(peer, priority) for peer, priority, _ in sorted(donors, key=lambda d: (-d[1], d[2]))]
+
+    def download_state_from(
+        self, peer: str, *, timeout: float, max_bytes: int, dtypes: Sequence[str], max_tensors: int
+    ) -> tuple[bytes | None, list[torch.Tensor]]:
+        """Raw ``(metadata bytes, tensors)`` from one donor, bounded in time, bytes and tensor count."""
+        future = MPFuture()
+        request = dict(
+            peer=PeerID.from_base58(peer).to_bytes(),
+            timeout=timeout,
+            max_bytes=max_bytes,
+            dtypes=tuple(dtypes),
+            max_tensors=max_tensors,
+            future=future,
+        )
+        self._outer_pipe.send(("_download_state_from", [], request))  # type: ignore[attr-defined]
+        return future.result(timeout=timeout + _GRACE_S)
+
+    async def _download_state_from(
+        self,
+        peer: bytes,
+        timeout: float,
+        max_bytes: int,
+        dtypes: tuple[str, ...],
+        max_tensors: int,
+        future: MPFuture,
+    ) -> None:
+        try:
+            fetched = await asyncio.wait_for(
+                self._fetch_state(PeerID(peer), max_bytes, dtypes, max_tensors), timeout
+            )
+            future.set_result(fetched)
+        except Exception as e:
+            # a plain RuntimeError: the original may not survive the trip to the host process
+            future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
+
+    async def _fetch_state(
+        self, peer: PeerID, max_bytes: int, dtypes: tuple[str, ...], max_tensors: int
+    ) -> tuple[bytes | None, list[torch.Tensor]]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)  # type: ignore[attr-defined]
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, parts, tensors, received, started = None, [], [], 0, 0
+        async for message in aiter_with_timeout(stream, self.next_chunk_timeout):  # type: ignore[attr-defined]
+            received += message.ByteSize()
+            if received > max_bytes:
+                raise ValueError(f"donor sent more than the expected {max_bytes} bytes")
+            if message.metadata:
+                if metadata is not None or len(message.metadata) > _MAX_METADATA_BYTES:
+                    raise ValueError("donor sent metadata twice or too large")
+                metadata = bytes(message.metadata)
+            part = message.tensor_part
+            if part.dtype:
+                if part.dtype not in dtypes:
+                    raise ValueError(f"donor sent a tensor of unexpected dtype {part.dtype[:32]!r}")
+                started += 1
+                if started > max_tensors:
+                    raise ValueError(f"donor sent more than {max_tensors} tensors")
+                if parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+            parts.append(part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return metadata, tensors
+
+
+def _state_metadata(run_id: str, fingerprint: str, epoch: int, sha: str, n_params: int, n_opt: int) -> dict:
+    return {
+        "v": STATE_VERSION,
+        "run": run_id,
+        "fp": fingerprint,
+        "ep": epoch,
+        "sha": sha,
+        "np": n_params,
+        "no": n_opt,
+    }
+
+
+class StateServer:
+    """Serves a snapshot of this peer's state to joiners; refresh it with ``publish`` after each outer step.
+
+    The snapshot is a CPU copy taken under a lock, so training can keep changing the live tensors while a
+    joiner downloads. It costs one extra copy of parameters plus outer-optimizer state in RAM.
+    """
+
+    def __init__(self, averager: RoundAverager):
+        self._averager = averager
+        self._lock = threading.Lock()
+        self._snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+
+    def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int) -> str:
+        """Snapshot the state of ``epoch`` and serve it; returns the parameters' sha256."""
+        params_cpu = [t.detach().to("cpu", copy=True) for t in params]
+        opt_cpu = [t.detach().to("cpu", copy=True) for t in opt_tensors]
+        sha = params_sha256(params_cpu)
+        cfg = self._averager.cfg
+        metadata = _state_metadata(
+            cfg.run_id, self._averager.fingerprint, int(epoch), sha, len(params_cpu), len(opt_cpu)
+        )
+        with self._lock:
+            self._snapshot = (metadata, params_cpu + opt_cpu)
+        self._averager.state_sharing_priority = float(epoch)  # donors with newer state are asked first
+        self._averager.set_state_provider(self._provide)
+        return sha
+
+    def _provide(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        with self._lock:
+            if self._snapshot is None:
+                raise RuntimeError("no state published yet")
+            return self._snapshot
+
+    def stop(self) -> None:
+        """Stop serving (e.g. while this peer resyncs itself)."""
+        self._averager.set_state_provider(None)
+
+
+def _check_metadata(raw: bytes | None, averager: RoundAverager, n_params: int, n_opt: int) -> dict | str:
+    if raw is None:
+        return "donor sent no metadata (it is probably not sharing state)"
+    try:
+        meta = MSGPackSerializer.loads(raw)
+    except Exception:
+        return "metadata is not valid msgpack"
+    if not isinstance(meta, dict) or set(meta) != {"v", "run", "fp", "ep", "sha", "np", "no"}:
+        return "metadata lacks the expected fields"
+    if meta["v"] != STATE_VERSION:
+        return f"unsupported state version {meta['v']!r}"
+    if meta["run"] != averager.cfg.run_id or meta["fp"] != averager.fingerprint:
+        return f"state of run {str(meta['run'])[:64]!r} / model {str(meta['fp'])[:64]!r}, not ours"
+    if isinstance(meta["ep"], bool) or not isinstance(meta["ep"], int) or not 0 <= meta["ep"] <= 10**9:
+        return "invalid epoch"
+    if not isinstance(meta["sha"], str) or not SHA256_PATTERN.fullmatch(meta["sha"]):
+        return "invalid parameter checksum"
+    if meta["np"] != n_params or meta["no"] != n_opt:
+        return f"donor has {meta['np']!r} parameter and {meta['no']!r} optimizer tensors, expected {n_params} and {n_opt}"
+    return meta
+
+
+def _check_tensors(tensors: list[torch.Tensor], templates: Sequence[torch.Tensor]) -> str | None:
+    if len(tensors) != len(templates):
+        return f"donor sent {len(tensors)} tensors, expected {len(templates)}"
+    for i, (tensor, template) in enumerate(zip(tensors, templates, strict=True)):
+        if tuple(tensor.shape) != tuple(template.shape) or tensor.dtype != template.dtype:
+            return f"tensor {i} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(template.shape)} {template.dtype}"
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"tensor {i} holds NaN or infinite values"
+    return None
+
+
+def download_state(
+    averager: RoundAverager,
+    template_params: Sequence[torch.Tensor],
+    template_opt: Sequence[torch.Tensor] = (),
+    *,
+    min_epoch: int | None = None,
+    timeout: float | None = None,
+    max_donors: int = 8,
+) -> SwarmState | None:
+    """Download and verify the swarm's state, trying up to ``max_donors`` donors within ``timeout`` seconds
+    (default ``cfg.state_download_timeout_s``). ``min_epoch`` defaults to the swarm's global epoch."""
+    cfg = averager.cfg
+    deadline = time.monotonic() + (timeout if timeout is not None else cfg.state_download_timeout_s)
+    templates = list(template_params) + list(template_opt)
+    if min_epoch is None:
+        min_epoch = (
+            global_epoch(fetch_progress(averager.dht, cfg.run_id), fingerprint=averager.fingerprint) or 0
+        )
+    expected_bytes = sum(t.numel() * t.element_size() for t in templates)
+    max_bytes = int(expected_bytes * 1.05) + 2**20 + len(templates) * 1024  # protobuf fields and part headers
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in templates})
+    majorities: dict[int, tuple[str | None, int, int]] = {}
+    rejected: list[str] = []
+    for peer, _priority in averager.state_donors()[:max_donors]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            rejected.append(f"{peer}: not tried, state_download_timeout_s ran out")
+            break
+        try:
+            raw, tensors = averager.download_state_from(
+                peer, timeout=remaining, max_bytes=max_bytes, dtypes=dtypes, max_tensors=len(templates)
+            )
+            problem = None
+            meta = _check_metadata(raw, averager, len(template_params), len(template_opt))
+            if isinstance(meta, str):
+                problem = meta
+            else:
+                problem = _check_tensors(tensors, templates)
+        except Exception as e:
+            problem = f"download failed: {e}"
+        if problem is None and meta["ep"] < min_epoch:
+            problem = f"state of epoch {meta['ep']} is older than the swarm's epoch {min_epoch}"
+        if problem is None:
+            params = tensors[: len(template_params)]
+            sha = params_sha256(params)
+            if sha != meta["sha"]:
+                problem = f"parameters hash to {sha[:12]}..., the donor claims {meta['sha'][:12]}..."
+            else:
+                if meta["ep"] not in majorities:
+                    majorities[meta["ep"]] = majority_checksum(averager.dht, cfg.run_id, meta["ep"])
+                major, count, total = majorities[meta["ep"]]
+                if major is not None and 2 * count > total and sha != major:
+                    problem = f"parameters {sha[:12]}... differ from the checksum {count}/{total} peers published for epoch {meta['ep']}"
+        if problem is not None:
+            logger.warning("Rejected state from %s: %s", peer, problem)
+            rejected.append(f"{peer}: {problem}")
+            continue
+        logger.info("Loaded state of epoch %d from %s", meta["ep"], peer)
+        return SwarmState(
+            params=params,
+            opt_tensors=tensors[len(template_params) :],
+            epoch=meta["ep"],
+            params_sha256=sha,
+            donor=peer,
+            rejected=tuple(rejected),
+        )
+    logger.info("No acceptable state from %d donor(s)", len(rejected))
+    return None

@@ -1,0 +1,172 @@
+"""One swarm peer in its own process, driven by a JSON spec; used by tests/test_swarm_*.py.
+
+Usage: python tests/swarm_helpers/peer.py SPEC.json
+
+Roles:
+- "average": join one averaging round and write the RoundResult as JSON;
+- "donor": serve a (possibly corrupted, for tests) state until ``stop_path`` exists;
+- "joiner": download and verify the swarm's state and write what it got.
+
+Every wait is bounded: files are polled with a deadline and the peer exits on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2p_diloco.swarm.averager import RoundAverager
+from p2p_diloco.swarm.checksum import params_sha256
+from p2p_diloco.swarm.config import SwarmConfig
+from p2p_diloco.swarm.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.records import install_validators, publish_checksum, publish_progress
+from p2p_diloco.swarm.state import StateServer, _state_metadata, download_state
+
+MAX_WAIT_S = 60.0
+
+
+def pattern(shapes: list[list[int]], value: float) -> list[torch.Tensor]:
+    """Deterministic float32 tensors: ``value + 0.001 * index``; also used by the tests for expectations."""
+    out = []
+    for shape in shapes:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        out.append((torch.arange(numel, dtype=torch.float64) * 0.001 + value).to(torch.float32).reshape(shape))
+    return out
+
+
+def kill_own_process_group(stage: str) -> None:
+    """Fault hook: SIGKILL this peer (host, DHT, averager and p2pd share the process group) mid all-reduce."""
+    if stage == "part_sent":
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def wait_for_file(path: str, timeout: float = MAX_WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def tensors_json(tensors: list[torch.Tensor] | None) -> list[list[float]] | None:
+    return None if tensors is None else [t.reshape(-1).tolist() for t in tensors]
+
+
+def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]:
+    shapes = spec["shapes"]
+    fresh = pattern(shapes, spec["fresh"]) if spec.get("fresh") is not None else None
+    stale = pattern(shapes, spec["stale"]) if spec.get("stale") is not None else None
+    if spec.get("claim_fingerprint"):
+        averager.fingerprint = spec["claim_fingerprint"]  # lies in the gathered metadata only
+    result = averager.average(
+        fresh,
+        weight=spec.get("weight", 1.0),
+        staleness=spec.get("staleness", 0),
+        epoch=spec.get("epoch", 0),
+        stale=stale,
+        stale_weight=spec.get("stale_weight", 0.0),
+    )
+    return dict(
+        outcome=result.outcome,
+        reason=result.reason,
+        group_size=result.group_size,
+        contributors=list(result.contributors),
+        weights=list(result.weights),
+        stale_weights=list(result.stale_weights),
+        stalenesses=list(result.stalenesses),
+        refused=list(result.refused),
+        fresh_mean=tensors_json(result.fresh_mean),
+        stale_term=tensors_json(result.stale_term),
+        fresh_sha=params_sha256(result.fresh_mean) if result.fresh_mean is not None else None,
+        stale_sha=params_sha256(result.stale_term) if result.stale_term is not None else None,
+        bytes_sent=result.bytes_sent,
+        bytes_received=result.bytes_received,
+        allreduce_seconds=result.allreduce_seconds,
+        wait_seconds=result.wait_seconds,
+    )
+
+
+def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
+    state = spec["state"]
+    params = pattern(spec["shapes"], state["value"])
+    opt = pattern(spec["shapes"], state["value"] + 100.0)
+    epoch = state["epoch"]
+    if state.get("publish_checksum"):
+        publish_checksum(averager.dht, averager.cfg.run_id, epoch, params_sha256(params))
+    kind = state["kind"]
+    if kind == "good":
+        StateServer(averager).publish(params, opt, epoch)
+    else:
+        sha = params_sha256(params)
+        if kind == "nan":
+            params[0][0] = float("nan")
+            sha = params_sha256(params)
+        elif kind == "shape":
+            params[0] = params[0].reshape(-1)[:-1].clone()
+            sha = params_sha256(params)
+        elif kind == "tampered":  # self-consistent, but not what the swarm's majority published
+            params[0] = params[0] + 1.0
+            sha = params_sha256(params)
+        meta = _state_metadata(averager.cfg.run_id, averager.fingerprint, epoch, sha, len(params), len(opt))
+        averager.set_state_provider(lambda: (meta, params + opt))
+    averager.state_sharing_priority = float(state["priority"])
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    cfg = SwarmConfig.for_loopback(initial_peers=spec.get("initial_peers", []), **spec.get("cfg", {}))
+    dht = start_dht(cfg)
+    install_validators(dht, cfg.run_id)
+    hook = kill_own_process_group if spec.get("fault") == "kill_on_part_sent" else None
+    template = [torch.zeros(shape) for shape in spec["shapes"]]
+    averager = RoundAverager(template, dht, cfg, fingerprint=spec["fingerprint"], fault_hook=hook)
+    out: dict[str, Any] = dict(peer_id=dht.peer_id.to_base58(), maddrs=visible_maddrs(dht))
+    role = spec["role"]
+    if role == "donor":
+        serve_state(spec, averager)
+        publish_progress(
+            dht, cfg.run_id, epoch=spec["state"]["epoch"], inner_step=0, steps_per_s=1.0, samples_per_s=1.0,
+            tokens_per_s=1.0, fingerprint=spec["fingerprint"],
+        )
+    write_json(spec["ready_path"], out)
+    if not wait_for_file(spec["go_path"]):
+        out["error"] = "no go signal"
+    elif role == "average":
+        out.update(run_average(spec, averager))
+    elif role == "joiner":
+        shapes = spec["shapes"]
+        state = download_state(
+            averager, pattern(shapes, 0.0), pattern(shapes, 0.0), min_epoch=spec.get("min_epoch"), timeout=30.0
+        )
+        out["state"] = None if state is None else dict(
+            donor=state.donor, epoch=state.epoch, sha=state.params_sha256, rejected=list(state.rejected),
+            params=tensors_json(state.params), opt=tensors_json(state.opt_tensors),
+        )
+    elif role == "donor":
+        wait_for_file(spec["stop_path"])
+    if role != "donor":
+        write_json(spec["out_path"], out)
+    averager.shutdown()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()
