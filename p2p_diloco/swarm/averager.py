@@ -34,16 +34,23 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import enter_asynchronously
 
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.group import MAX_STALENESS, MAX_WEIGHT, GroupPlan, MemberInfo, encode_gather, plan_group
-from p2p_diloco.swarm.runner import ByteCounter, CountingAllReduceRunner, FaultHook
+from p2p_diloco.swarm.runner import (
+    STATUS_SUFFIX,
+    ByteCounter,
+    CountingAllReduceRunner,
+    FaultHook,
+    RunnerFactory,
+    confirm_complete,
+    run_allreduce,
+)
 from p2p_diloco.swarm.state import StateSharingMixin
 
 logger = logging.getLogger(__name__)
 
-_STATUS_SUFFIX = b".done"
 _HOST_GRACE_S = 10.0
 
 
@@ -352,7 +359,7 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
     def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
         """Register the round's all-reduce and its completion check before either starts, so a fast
         groupmate's first message never finds us unprepared; release waiters of whatever did not run."""
-        group_ids = (group_info.group_id, group_info.group_id + _STATUS_SUFFIX)
+        group_ids = (group_info.group_id, group_info.group_id + STATUS_SUFFIX)
         try:
             for group_id in group_ids:
                 self._running_groups[group_id] = asyncio.Future()
@@ -405,10 +412,11 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
                         tensor.mul_(scale)
             if self._fault_hook is not None:
                 self._fault_hook("allreduce_begin")
-            faults = await self._run_allreduce(tensors, plan, fractions, group_info.group_id, counter, kwargs)
-            confirmed, detail = await self._confirm_complete(
-                not faults, plan, fractions, group_info.group_id, counter, kwargs
-            )
+            make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
+            faults = await run_allreduce(make_runner(tensors, b"", fault_hook=self._fault_hook), tensors)
+            if self._fault_hook is not None and self._fault_hook("confirm") is False:
+                faults.append("completion denied by the fault hook")
+            confirmed, detail = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id)
         summary.update(
             allreduce_seconds=time.monotonic() - began,
             bytes_sent=counter.sent,
@@ -420,85 +428,28 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
             return _report("skipped", detail, **summary)
         return _report("averaged", "", **summary)
 
-    def _make_runner(
-        self,
-        tensors: Sequence[torch.Tensor],
-        plan: GroupPlan,
-        fractions: Sequence[float],
-        group_id: bytes,
-        counter: ByteCounter,
-        kwargs: dict[str, Any],
-        **overrides: Any,
-    ) -> CountingAllReduceRunner:
-        options = dict(
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=tensors,
-            group_id=group_id,
-            ordered_peer_ids=plan.peer_ids,
-            peer_fractions=tuple(fractions),
-            weight=1.0,
-            counter=counter,
-            compression=kwargs["compression"],
-            part_size_bytes=kwargs["part_size_bytes"],
-            sender_timeout=kwargs["sender_timeout"],
-            reducer_timeout=kwargs["reducer_timeout"],
-        )
-        options.update(overrides)
-        runner = CountingAllReduceRunner(**options)
-        self._running_groups[group_id].set_result(runner)
-        return runner
-
-    async def _run_allreduce(
-        self,
-        tensors: list[torch.Tensor],
-        plan: GroupPlan,
-        fractions: Sequence[float],
-        group_id: bytes,
-        counter: ByteCounter,
-        kwargs: dict[str, Any],
-    ) -> list[str]:
-        runner = self._make_runner(
-            tensors, plan, fractions, group_id, counter, kwargs, fault_hook=self._fault_hook
-        )
-        try:
-            async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                tensor.copy_(averaged)
-        except Exception as e:
-            return [f"all-reduce failed: {e!r}"] + runner.faults()
-        return runner.faults()
-
-    async def _confirm_complete(
-        self,
-        complete: bool,
-        plan: GroupPlan,
-        fractions: Sequence[float],
-        group_id: bytes,
-        counter: ByteCounter,
-        kwargs: dict[str, Any],
-    ) -> tuple[bool, str]:
-        """Second, tiny all-reduce: member k contributes ``n * complete_k`` at position k and zeros elsewhere,
-        so the mean is all ones exactly when every member saw a complete first all-reduce and every member
-        took part in this one. A failure of this check itself also leaves some entry below one."""
-        n = len(plan.peer_ids)
-        status = torch.zeros(n)
-        status[plan.peer_ids.index(self.peer_id)] = float(n) if complete else 0.0
-        runner = self._make_runner(
-            [status], plan, fractions, group_id + _STATUS_SUFFIX, counter, kwargs, compression=NoCompression()
-        )
-        try:
-            async for averaged in runner:
-                status.copy_(averaged)
-        except Exception as e:
-            return False, f"completion check failed: {e!r}"
-        faults = runner.faults()
-        if faults:
-            return False, "completion check incomplete: " + "; ".join(faults)
-        incomplete = [plan.peer_ids[i].to_base58() for i in range(n) if abs(float(status[i]) - 1.0) > 1e-3]
-        if incomplete:
-            return (
-                False,
-                f"{len(incomplete)} member(s) did not complete the all-reduce: {', '.join(incomplete)}",
+    def _runner_factory(
+        self, plan: GroupPlan, fractions: Sequence[float], group_id: bytes, counter: ByteCounter, kwargs: dict
+    ) -> RunnerFactory:
+        def make(tensors: Sequence[torch.Tensor], suffix: bytes, **overrides: Any) -> CountingAllReduceRunner:
+            options: dict[str, Any] = dict(
+                p2p=self._p2p,
+                servicer_type=type(self),
+                prefix=self.prefix,
+                tensors=tensors,
+                group_id=group_id + suffix,
+                ordered_peer_ids=plan.peer_ids,
+                peer_fractions=tuple(fractions),
+                weight=1.0,
+                counter=counter,
+                compression=kwargs["compression"],
+                part_size_bytes=kwargs["part_size_bytes"],
+                sender_timeout=kwargs["sender_timeout"],
+                reducer_timeout=kwargs["reducer_timeout"],
             )
-        return True, ""
+            options.update(overrides)
+            runner = CountingAllReduceRunner(**options)
+            self._running_groups[group_id + suffix].set_result(runner)
+            return runner
+
+        return make

@@ -19,22 +19,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import BannedException
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 logger = logging.getLogger(__name__)
 
-FaultHook = Callable[[str], None]
-"""Called inside the averager process at named stages ("allreduce_begin", "part_sent"); tests use it to
-kill a peer at a precise moment. Production code leaves it ``None``."""
+FaultHook = Callable[[str], "bool | None"]
+"""Called inside the averager process at named stages: "allreduce_begin", "part_sent" (after the first part
+went to a remote reducer) and "confirm" (returning ``False`` there makes this member report an incomplete
+all-reduce). Tests use it to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
+STATUS_SUFFIX = b".done"
+"""Group id suffix of the completion check that follows each all-reduce."""
 
 
 @dataclass
@@ -183,3 +187,45 @@ class CountingAllReduceRunner(AllReduceRunner):
         elif future.exception() is not None:
             reasons.append(f"all-reduce failed: {future.exception()!r}")
         return reasons
+
+
+class RunnerFactory(Protocol):
+    def __call__(
+        self, tensors: Sequence[torch.Tensor], suffix: bytes, **overrides: Any
+    ) -> CountingAllReduceRunner:
+        """A runner over ``tensors`` in the round's group, under the group id plus ``suffix``."""
+
+
+async def run_allreduce(runner: CountingAllReduceRunner, tensors: Sequence[torch.Tensor]) -> list[str]:
+    """Run ``runner``, overwrite ``tensors`` with the averages, and return the faults this peer saw."""
+    try:
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
+    except Exception as e:
+        return [f"all-reduce failed: {e!r}", *runner.faults()]
+    return runner.faults()
+
+
+async def confirm_complete(
+    make_runner: RunnerFactory, complete: bool, peer_ids: Sequence[PeerID], me: PeerID
+) -> tuple[bool, str]:
+    """The completion check: a second, tiny all-reduce in the same group.
+
+    Member ``k`` of ``n`` contributes ``n * complete_k`` at position ``k`` and zeros elsewhere, so the mean is
+    all ones exactly when every member saw a complete first all-reduce and every member took part in this
+    one; a member that died, or a failure of this check itself, leaves an entry below one. A member that
+    sees a fault in this check gives up, but the others may still confirm: outcomes can differ between
+    members (as with any agreement over an unreliable network), never in the direction of accepting a
+    partial average.
+    """
+    n = len(peer_ids)
+    status = torch.zeros(n)
+    status[list(peer_ids).index(me)] = float(n) if complete else 0.0
+    runner = make_runner([status], STATUS_SUFFIX, compression=NoCompression())
+    faults = await run_allreduce(runner, [status])
+    if faults:
+        return False, "completion check incomplete: " + "; ".join(faults)
+    incomplete = [peer_ids[i].to_base58() for i in range(n) if abs(float(status[i]) - 1.0) > 1e-3]
+    if incomplete:
+        return False, f"{len(incomplete)} member(s) did not complete the all-reduce: {', '.join(incomplete)}"
+    return True, ""

@@ -78,7 +78,9 @@ class Swarm:
                     raise AssertionError(f"peer {peer.name} exited early:\n{peer.log_tail()}")
             time.sleep(0.05)
         if pending:
-            raise AssertionError(f"peers not ready in time: {[p.name for p in pending]}\n{pending[0].log_tail()}")
+            raise AssertionError(
+                f"peers not ready in time: {[p.name for p in pending]}\n{pending[0].log_tail()}"
+            )
         self.go_path.write_text("go")
 
     def result(self, peer: Peer, timeout: float = 50.0) -> dict[str, Any]:
@@ -90,7 +92,9 @@ class Swarm:
             raise AssertionError(f"peer {peer.name} did not finish:\n{peer.log_tail()}") from None
         path = Path(peer.spec["out_path"])
         if not path.exists():
-            raise AssertionError(f"peer {peer.name} wrote no result (rc={peer.proc.returncode}):\n{peer.log_tail()}")
+            raise AssertionError(
+                f"peer {peer.name} wrote no result (rc={peer.proc.returncode}):\n{peer.log_tail()}"
+            )
         return json.loads(path.read_text())
 
     def stop(self) -> None:

@@ -40,7 +40,9 @@ def pattern(shapes: list[list[int]], value: float) -> list[torch.Tensor]:
         numel = 1
         for dim in shape:
             numel *= dim
-        out.append((torch.arange(numel, dtype=torch.float64) * 0.001 + value).to(torch.float32).reshape(shape))
+        out.append(
+            (torch.arange(numel, dtype=torch.float64) * 0.001 + value).to(torch.float32).reshape(shape)
+        )
     return out
 
 
@@ -48,6 +50,27 @@ def kill_own_process_group(stage: str) -> None:
     """Fault hook: SIGKILL this peer (host, DHT, averager and p2pd share the process group) mid all-reduce."""
     if stage == "part_sent":
         os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def deny_completion(stage: str) -> bool | None:
+    """Fault hook: this member claims its all-reduce was incomplete; the whole group must then skip."""
+    return False if stage == "confirm" else None
+
+
+FAULT_HOOKS = {"kill_on_part_sent": kill_own_process_group, "deny_confirm": deny_completion}
+
+
+def wait_until_declared(averager: RoundAverager, timeout: float = MAX_WAIT_S) -> bool:
+    """Poll the DHT until this donor's own state announcement is visible, so joiners can find it."""
+    key = f"{averager.prefix}.all_averagers"
+    me = averager.peer_id.to_bytes()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = averager.dht.get(key, latest=True)
+        if found is not None and isinstance(found.value, dict) and me in found.value:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def wait_for_file(path: str, timeout: float = MAX_WAIT_S) -> bool:
@@ -135,16 +158,23 @@ def main() -> None:
     cfg = SwarmConfig.for_loopback(initial_peers=spec.get("initial_peers", []), **spec.get("cfg", {}))
     dht = start_dht(cfg)
     install_validators(dht, cfg.run_id)
-    hook = kill_own_process_group if spec.get("fault") == "kill_on_part_sent" else None
+    hook = FAULT_HOOKS.get(spec.get("fault", ""))
     template = [torch.zeros(shape) for shape in spec["shapes"]]
     averager = RoundAverager(template, dht, cfg, fingerprint=spec["fingerprint"], fault_hook=hook)
     out: dict[str, Any] = dict(peer_id=dht.peer_id.to_base58(), maddrs=visible_maddrs(dht))
     role = spec["role"]
     if role == "donor":
         serve_state(spec, averager)
+        out["declared"] = wait_until_declared(averager)
         publish_progress(
-            dht, cfg.run_id, epoch=spec["state"]["epoch"], inner_step=0, steps_per_s=1.0, samples_per_s=1.0,
-            tokens_per_s=1.0, fingerprint=spec["fingerprint"],
+            dht,
+            cfg.run_id,
+            epoch=spec["state"]["epoch"],
+            inner_step=0,
+            steps_per_s=1.0,
+            samples_per_s=1.0,
+            tokens_per_s=1.0,
+            fingerprint=spec["fingerprint"],
         )
     write_json(spec["ready_path"], out)
     if not wait_for_file(spec["go_path"]):
@@ -153,12 +183,21 @@ def main() -> None:
         out.update(run_average(spec, averager))
     elif role == "joiner":
         shapes = spec["shapes"]
-        state = download_state(
-            averager, pattern(shapes, 0.0), pattern(shapes, 0.0), min_epoch=spec.get("min_epoch"), timeout=30.0
-        )
-        out["state"] = None if state is None else dict(
-            donor=state.donor, epoch=state.epoch, sha=state.params_sha256, rejected=list(state.rejected),
-            params=tensors_json(state.params), opt=tensors_json(state.opt_tensors),
+        templates = (pattern(shapes, 0.0), pattern(shapes, 0.0))
+        state = download_state(averager, *templates, timeout=30.0)
+        # every donor serves an epoch below this one: all are rejected and the caller gets None
+        out["too_old_result"] = repr(download_state(averager, *templates, min_epoch=10**6, timeout=30.0))
+        out["state"] = (
+            None
+            if state is None
+            else dict(
+                donor=state.donor,
+                epoch=state.epoch,
+                sha=state.params_sha256,
+                rejected=list(state.rejected),
+                params=tensors_json(state.params),
+                opt=tensors_json(state.opt_tensors),
+            )
         )
     elif role == "donor":
         wait_for_file(spec["stop_path"])

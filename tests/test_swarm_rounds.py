@@ -1,0 +1,197 @@
+"""Averaging rounds and state download between real peer processes on loopback (127.0.0.1)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from swarm_helpers.harness import Swarm
+from swarm_helpers.peer import pattern
+
+from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+FINGERPRINT = "abcdef0123456789"
+SHAPES = [[3, 4], [5]]
+_runs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[list[str]]:
+    dht = start_dht(SwarmConfig.for_loopback())
+    yield visible_maddrs(dht)
+    dht.shutdown()
+
+
+@pytest.fixture
+def swarm(bootstrap: list[str], tmp_path: Path) -> Iterator[Swarm]:
+    swarm = Swarm(tmp_path, bootstrap)
+    yield swarm
+    swarm.stop()
+
+
+def _cfg(**overrides: object) -> dict:
+    # a fresh run id per test: records and groups of one test never meet those of another
+    return dict(run_id=f"rounds{next(_runs)}", **overrides)
+
+
+def _weighted(terms: list[tuple[float, float]]) -> list[torch.Tensor]:
+    """sum(weight * pattern(value)) / sum(weight), in float64, from the same float32 inputs the peers use."""
+    total = sum(w for w, _ in terms)
+    out = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for weight, value in terms:
+        for acc, tensor in zip(out, pattern(SHAPES, value), strict=True):
+            acc += weight * tensor.double()
+    return [t / total for t in out]
+
+
+def _assert_close(got: list[list[float]] | None, expected: list[torch.Tensor]) -> None:
+    assert got is not None
+    for values, tensor in zip(got, expected, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(values, dtype=torch.float64), tensor.reshape(-1), rtol=1e-6, atol=1e-6
+        )
+
+
+def test_three_peers_get_the_same_exact_weighted_mean(swarm: Swarm) -> None:
+    cfg = _cfg(min_group_size=3, target_group_size=3)
+    peers = [
+        swarm.spawn(
+            f"p{i}", role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, fresh=value, weight=w
+        )
+        for i, (value, w) in enumerate([(1.0, 1.0), (2.0, 2.0), (3.0, 5.0)])
+    ]
+    swarm.wait_ready()
+    results = [swarm.result(p) for p in peers]
+    for result in results:
+        assert result["outcome"] == "averaged", result["reason"]
+        assert result["group_size"] == 3
+        assert sorted(result["weights"]) == [1.0, 2.0, 5.0]
+        assert result["stale_term"] is None
+        assert result["bytes_sent"] > 0 and result["bytes_received"] > 0
+        _assert_close(result["fresh_mean"], _weighted([(1.0, 1.0), (2.0, 2.0), (5.0, 3.0)]))
+    # bitwise identical on every peer, so parameters (and their checksums) stay in lockstep
+    assert len({r["fresh_sha"] for r in results}) == 1
+
+
+def test_stale_work_is_a_separate_term_normalised_by_the_fresh_weight(swarm: Swarm) -> None:
+    cfg = _cfg(min_group_size=3, target_group_size=3)
+    common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, epoch=4)
+    fresh_only = swarm.spawn("fresh_only", fresh=1.0, weight=1.0, **common)
+    both = swarm.spawn("both", fresh=2.0, weight=3.0, stale=5.0, stale_weight=0.5, staleness=2, **common)
+    stale_only = swarm.spawn("stale_only", stale=4.0, stale_weight=1.5, staleness=1, **common)
+    swarm.wait_ready()
+    results = {p.name: swarm.result(p) for p in (fresh_only, both, stale_only)}
+    fresh_total = 1.0 + 3.0  # the stale-only peer adds no fresh weight
+    expected_fresh = _weighted([(1.0, 1.0), (3.0, 2.0)])
+    expected_stale = [t * (2.0 / fresh_total) for t in _weighted([(0.5, 5.0), (1.5, 4.0)])]
+    for name, result in results.items():
+        assert result["outcome"] == "averaged", (name, result["reason"])
+        _assert_close(result["fresh_mean"], expected_fresh)
+        _assert_close(result["stale_term"], expected_stale)
+        by_peer = dict(
+            zip(
+                result["contributors"],
+                zip(result["stalenesses"], result["stale_weights"], strict=True),
+                strict=True,
+            )
+        )
+        assert sorted(by_peer.values()) == [(0, 0.0), (1, 1.5), (2, 0.5)]
+    assert len({r["fresh_sha"] for r in results.values()}) == 1
+    assert len({r["stale_sha"] for r in results.values()}) == 1
+
+
+def test_peer_killed_mid_allreduce_makes_survivors_skip(swarm: Swarm) -> None:
+    # small parts and a larger vector: the victim dies after its first part, with most of the work pending
+    cfg = _cfg(min_group_size=3, target_group_size=3, part_size_bytes=4096)
+    shapes = [[64, 512], [300]]
+    common = dict(role="average", shapes=shapes, fingerprint=FINGERPRINT, cfg=cfg)
+    survivors = [swarm.spawn(f"s{i}", fresh=float(i + 1), weight=1.0, **common) for i in range(2)]
+    victim = swarm.spawn("victim", fresh=3.0, weight=1.0, fault="kill_on_part_sent", **common)
+    swarm.wait_ready()
+    for survivor in survivors:
+        result = swarm.result(survivor)
+        assert result["outcome"] == "skipped"
+        assert result["group_size"] == 3  # the victim was in the group: the kill landed inside the all-reduce
+        assert "partial" in result["reason"] or "did not complete" in result["reason"]
+        assert result["fresh_mean"] is None
+    assert victim.proc.wait(timeout=10) == -9
+
+
+def test_member_reporting_an_incomplete_allreduce_makes_everyone_skip(swarm: Swarm) -> None:
+    cfg = _cfg(min_group_size=3, target_group_size=3)
+    common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, weight=1.0)
+    honest = [swarm.spawn(f"h{i}", fresh=float(i), **common) for i in range(2)]
+    doubter = swarm.spawn("doubter", fresh=9.0, fault="deny_confirm", **common)
+    swarm.wait_ready()
+    for peer in honest:
+        result = swarm.result(peer)
+        # its own view was complete; only the completion check can tell it another member's was not
+        assert result["outcome"] == "skipped"
+        assert "1 member(s) did not complete" in result["reason"]
+        assert doubter.info["peer_id"] in result["reason"]
+    assert swarm.result(doubter)["outcome"] == "skipped"
+
+
+def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
+    cfg = _cfg(min_group_size=2, target_group_size=3, matchmaking_time_s=3.0, matchmaking_timeout_s=8.0)
+    common = dict(role="average", shapes=SHAPES, cfg=cfg, weight=1.0)
+    honest = [swarm.spawn(f"h{i}", fresh=float(i + 1), fingerprint=FINGERPRINT, **common) for i in range(2)]
+    # matches under our fingerprint's prefix but announces another model in its metadata
+    liar = swarm.spawn(
+        "liar", fresh=50.0, fingerprint=FINGERPRINT, claim_fingerprint="0123456789abcdef", **common
+    )
+    # another model altogether: a different matchmaking prefix, it never meets the others
+    other = swarm.spawn("other", fresh=70.0, fingerprint="fedcba9876543210", **common)
+    swarm.wait_ready()
+    liar_id = liar.info["peer_id"]
+    for peer in honest:
+        result = swarm.result(peer)
+        assert result["outcome"] == "averaged", result["reason"]
+        assert liar_id not in result["contributors"] and result["group_size"] == 2
+        assert any(r.startswith(liar_id) and "fingerprint" in r for r in result["refused"])
+        _assert_close(result["fresh_mean"], _weighted([(1.0, 1.0), (1.0, 2.0)]))
+    liar_result = swarm.result(liar)
+    assert liar_result["outcome"] == "skipped" and "compatible member" in liar_result["reason"]
+    other_result = swarm.result(other)
+    assert other_result["outcome"] == "skipped" and "no group" in other_result["reason"]
+
+
+def test_state_download_rejects_bad_donors_and_uses_a_good_one(swarm: Swarm) -> None:
+    cfg = _cfg()
+    common = dict(shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg)
+    good = [
+        swarm.spawn(
+            f"good{i}",
+            role="donor",
+            state=dict(kind="good", value=7.0, epoch=5, priority=1.0 + i, publish_checksum=True),
+            **common,
+        )
+        for i in range(2)
+    ]
+    # higher priorities: the joiner asks these first and must reject each of them
+    bad = {
+        kind: swarm.spawn(
+            kind, role="donor", state=dict(kind=kind, value=7.0, epoch=5, priority=priority), **common
+        )
+        for kind, priority in (("nan", 30.0), ("shape", 20.0), ("tampered", 10.0))
+    }
+    joiner = swarm.spawn("joiner", role="joiner", **common)
+    swarm.wait_ready()
+    assert all(p.info["declared"] for p in good + list(bad.values()))
+    result = swarm.result(joiner)
+    state = result["state"]
+    assert state is not None
+    assert state["donor"] in {p.info["peer_id"] for p in good}
+    assert state["epoch"] == 5
+    rejected = {line.split(":")[0]: line for line in state["rejected"]}
+    assert "NaN" in rejected[bad["nan"].info["peer_id"]]
+    assert "expected (3, 4)" in rejected[bad["shape"].info["peer_id"]]
+    assert "differ from the checksum 2/2 peers published" in rejected[bad["tampered"].info["peer_id"]]
+    _assert_close(state["params"], [t.double() for t in pattern(SHAPES, 7.0)])
+    _assert_close(state["opt"], [t.double() for t in pattern(SHAPES, 107.0)])
+    assert result["too_old_result"] == "None"
