@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hivemind  # noqa: F401  (sets torch's sharing strategy to "file_system", see below)
+import torch
+
+# hivemind makes torch share tensors through the "file_system" strategy, whose torch_shm_manager daemon is a
+# child of the first process that shares a tensor. Start it here, while tests are being collected: started
+# inside a test, the suite's child reaper would kill it after that test, and the next shared tensor freed in
+# this process would abort the interpreter ("terminate called ... Broken pipe").
+SHARED_MEMORY_KEEPALIVE = torch.zeros(1).share_memory_()
+
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

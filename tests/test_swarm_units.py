@@ -1,0 +1,228 @@
+"""Network-free parts of the swarm layer: config validation, checksums, group planning, epoch rule."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.p2p import PeerID
+from hivemind.utils.serializer import MSGPackSerializer
+from swarm_helpers.harness import SHARED_MEMORY_KEEPALIVE
+
+from p2p_diloco.swarm import SwarmConfig, global_epoch, layout_fingerprint, params_sha256
+from p2p_diloco.swarm.group import MemberInfo, decode_gather, encode_gather, plan_group
+from p2p_diloco.swarm.records import PeerProgress
+
+assert SHARED_MEMORY_KEEPALIVE.is_shared()
+
+PEERS = [PeerID.from_base58(f"12D3KooWPWyjpgDrvDMn46Chm4HXcF9StX9GF64BXSL17zVSUBP{c}") for c in "ABCDEF"]
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_default_and_loopback_configs_are_valid() -> None:
+    SwarmConfig()
+    cfg = SwarmConfig.for_loopback(initial_peers=[f"/ip4/127.0.0.1/tcp/5/p2p/{PEERS[0].to_base58()}"])
+    assert cfg.host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(initial_peers=["garbage"]), r"initial_peers\[0\].*/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW"),
+        (dict(initial_peers=["/ip4/1.2.3.4/tcp/31337"]), r"initial_peers\[0\].*no /p2p/"),
+        (dict(initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/notapeer"]), r"initial_peers\[0\].*cannot parse.*notapeer"),
+        (dict(host_maddrs=["/ip4/1.2.3.4/tcp/x"]), r"host_maddrs\[0\]"),
+        (dict(host_maddrs=[]), "host_maddrs must hold at least one"),
+        (dict(announce_maddrs=["/ip4/1.2.3.4/tcp/0"]), r"announce_maddrs\[0\].*explicit port"),
+        (dict(run_id="a.b"), "run_id"),
+        (dict(target_group_size=1), r"target_group_size must be within \[2, 1024\]"),
+        (dict(target_group_size=4, min_group_size=8), "min_group_size .* must not exceed target_group_size"),
+        (dict(min_group_size=True), "min_group_size must be an integer"),
+        (dict(matchmaking_time_s=float("nan")), "matchmaking_time_s must be within"),
+        (dict(matchmaking_timeout_s=10.0, matchmaking_time_s=15.0), "matchmaking_timeout_s .* must exceed"),
+        (dict(request_timeout_s=20.0), "request_timeout_s .* must be below matchmaking_time_s"),
+        (dict(next_chunk_timeout_s=400.0), "next_chunk_timeout_s .* below half of allreduce_timeout_s"),
+        (dict(part_size_bytes=10), "part_size_bytes must be within"),
+        (dict(identity_path=""), "identity_path"),
+        (dict(nat_port_map="yes"), "nat_port_map"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SwarmConfig(**overrides)
+
+
+# --------------------------------------------------------------- checksums
+
+
+def test_params_sha256_covers_values_dtype_shape_and_order() -> None:
+    a = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.ones(2)]
+    base = params_sha256(a)
+    assert base == params_sha256([t.clone() for t in a])
+    assert base == params_sha256([a[0].t().contiguous().t(), a[1]])  # strides do not matter
+    assert base != params_sha256([a[0].reshape(3, 2), a[1]])
+    assert base != params_sha256([a[0].double(), a[1]])
+    assert base != params_sha256([a[1], a[0]])
+    assert base != params_sha256([a[0], a[1], torch.zeros(0)])
+    changed = a[0].clone()
+    changed[1, 2] = torch.nextafter(changed[1, 2], torch.tensor(100.0))
+    assert base != params_sha256([changed, a[1]])
+    assert len(params_sha256([torch.ones(3, dtype=torch.bfloat16)])) == 64
+
+
+def test_params_sha256_is_stable_across_processes() -> None:
+    code = (
+        "import torch; from p2p_diloco.swarm.checksum import params_sha256;"
+        "print(params_sha256([torch.arange(10, dtype=torch.float32) / 3, torch.ones(2, 2, dtype=torch.bfloat16)]))"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    here = params_sha256([torch.arange(10, dtype=torch.float32) / 3, torch.ones(2, 2, dtype=torch.bfloat16)])
+    assert other.stdout.strip() == here
+
+
+def test_layout_fingerprint_ignores_values_but_not_layout() -> None:
+    a = [torch.zeros(2, 3), torch.zeros(4)]
+    assert layout_fingerprint(a) == layout_fingerprint([torch.ones(2, 3), torch.ones(4)])
+    assert layout_fingerprint(a) != layout_fingerprint([torch.zeros(3, 2), torch.zeros(4)])
+    assert layout_fingerprint(a) != layout_fingerprint(a, extra="llama-150m")
+    assert len(layout_fingerprint(a)) == 16
+
+
+# ------------------------------------------------------------ group planning
+
+
+def _info(weight: float = 0.0, stale_weight: float = 0.0, **overrides: object) -> MemberInfo:
+    values = dict(
+        run_id="run",
+        fingerprint="abcdef0123456789",
+        epoch=3,
+        weight=weight,
+        stale_weight=stale_weight,
+        staleness=2 if stale_weight else 0,
+        has_fresh=weight > 0,
+        has_stale=stale_weight > 0,
+    )
+    values.update(overrides)
+    return MemberInfo(**values)  # type: ignore[arg-type]
+
+
+def test_prescaled_plain_mean_equals_the_normalised_aggregates() -> None:
+    infos = [_info(1.0), _info(3.0, 0.5), _info(0.0, 1.5), _info(2.0)]
+    gathered = [encode_gather(None, AveragingMode.NODE, info) for info in infos]
+    plan = plan_group(PEERS[:4], gathered, PEERS[0], min_group_size=2)
+    assert plan.skip_reason is None and plan.with_stale and plan.fresh_weight_total == 6.0
+    torch.manual_seed(0)
+    fresh = [torch.randn(5, dtype=torch.float64) for _ in infos]
+    stale = [torch.randn(5, dtype=torch.float64) for _ in infos]
+    scaled_fresh, scaled_stale = [], []
+    for peer, f, s in zip(PEERS[:4], fresh, stale, strict=True):
+        fresh_scale, stale_scale = plan.local_scales(peer)
+        scaled_fresh.append(f * fresh_scale)
+        scaled_stale.append(s * stale_scale)
+    # what hivemind's all-reduce computes with weight 1 for every member: a plain mean
+    mean_fresh = sum(scaled_fresh) / 4
+    mean_stale = sum(scaled_stale) / 4
+    expected_fresh = (1.0 * fresh[0] + 3.0 * fresh[1] + 2.0 * fresh[3]) / 6.0
+    expected_stale = (0.5 * stale[1] + 1.5 * stale[2]) / 6.0
+    torch.testing.assert_close(mean_fresh, expected_fresh)
+    torch.testing.assert_close(mean_stale, expected_stale)
+
+
+def test_plan_refuses_other_runs_models_epochs_and_garbage() -> None:
+    infos = [
+        _info(1.0),
+        _info(1.0, fingerprint="0123456789abcdef"),
+        _info(1.0, run_id="other"),
+        _info(1.0, epoch=4),
+        _info(2.0),
+    ]
+    gathered = [encode_gather(None, AveragingMode.NODE, info) for info in infos] + [b"\x93\x01"]
+    plan = plan_group(PEERS[:6], gathered, PEERS[0], min_group_size=2)
+    assert plan.peer_ids == (PEERS[0], PEERS[4])
+    reasons = dict(plan.refused)
+    assert "fingerprint" in reasons[PEERS[1].to_base58()]
+    assert "run id" in reasons[PEERS[2].to_base58()]
+    assert "epoch" in reasons[PEERS[3].to_base58()]
+    assert "malformed" in reasons[PEERS[5].to_base58()]
+    # the refused peer, planning from its own point of view, ends up alone
+    lonely = plan_group(PEERS[:6], gathered, PEERS[1], min_group_size=2)
+    assert lonely.peer_ids == (PEERS[1],) and "fewer than min_group_size" in lonely.skip_reason
+
+
+def test_plan_skips_groups_without_fresh_work_or_reducers() -> None:
+    stale_only = [encode_gather(None, AveragingMode.NODE, _info(0.0, 1.0)) for _ in range(2)]
+    assert "fresh work" in plan_group(PEERS[:2], stale_only, PEERS[0], min_group_size=2).skip_reason
+    clients = [encode_gather(0.0, AveragingMode.CLIENT, _info(1.0)) for _ in range(2)]
+    assert "client" in plan_group(PEERS[:2], clients, PEERS[0], min_group_size=2).skip_reason
+    fresh = [encode_gather(None, AveragingMode.NODE, _info(1.0)) for _ in range(2)]
+    assert plan_group(PEERS[:2], fresh, PEERS[0], min_group_size=2).with_stale is False
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        dict(w=float("nan")),
+        dict(w=float("inf")),
+        dict(w=-1.0),
+        dict(w=1),  # an int where a float is expected
+        dict(ep=-1),
+        dict(ep=True),
+        dict(st=10**9),
+        dict(fp="XYZ"),
+        dict(run="a" * 100),
+        dict(f=1),
+        dict(f=False),  # weight > 0 but claims no fresh work
+        dict(v=2),
+        dict(extra=1),
+    ],
+)
+def test_member_metadata_validation(mutation: dict) -> None:
+    wire = _info(1.0).to_wire()
+    wire.update(mutation)
+    raw = MSGPackSerializer.dumps([None, AveragingMode.NODE.value, MSGPackSerializer.dumps(wire)])
+    with pytest.raises(ValueError):
+        decode_gather(raw)
+
+
+def test_gather_envelope_validation() -> None:
+    good = MSGPackSerializer.dumps(_info(1.0).to_wire())
+    assert decode_gather(MSGPackSerializer.dumps([12.5, 0, good]))[0] == 12.5
+    for envelope in ([float("nan"), 0, good], [None, 2, good], [None, 0, "text"], [None, 0], "x"):
+        with pytest.raises(ValueError):
+            decode_gather(MSGPackSerializer.dumps(envelope))
+    with pytest.raises(ValueError):
+        decode_gather(b"\xc1")  # not msgpack
+    with pytest.raises(ValueError):
+        decode_gather(b"\x90" * 5000)  # oversized
+
+
+# --------------------------------------------------------------- epoch rule
+
+
+def _progress(epoch: int, client: bool = False, fingerprint: str = "abcdef0123456789") -> PeerProgress:
+    return PeerProgress("peer", epoch, 0, 1.0, 1.0, 1.0, fingerprint, 0.0, client, math.inf)
+
+
+def test_global_epoch_is_the_max_of_non_client_peers_with_optional_quorum() -> None:
+    records = [
+        _progress(3),
+        _progress(5),
+        _progress(4),
+        _progress(9, client=True),
+        _progress(7, fingerprint="0" * 16),
+    ]
+    assert global_epoch(records, fingerprint="abcdef0123456789") == 5
+    assert global_epoch(records) == 7
+    assert global_epoch(records, min_peers=2, fingerprint="abcdef0123456789") == 4
+    assert global_epoch(records, min_peers=4, fingerprint="abcdef0123456789") is None
+    assert global_epoch([]) is None
+    with pytest.raises(ValueError):
+        global_epoch(records, min_peers=0)
