@@ -14,10 +14,12 @@ from pathlib import Path
 
 import hivemind
 import pytest
+import torch
 from hivemind.utils import get_dht_time
 from swarm_helpers.harness import SHARED_MEMORY_KEEPALIVE
 
 from p2p_diloco.swarm import (
+    RoundAverager,
     SwarmConfig,
     SwarmStartError,
     ensure_identity,
@@ -201,3 +203,25 @@ def test_plain_hivemind_dht_node_interoperates(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["cli_started"] and report["cli_alive"], report["cli_log_tail"]
     assert report["value_via_cli_node"] == "hello", report["cli_log_tail"]
+
+
+def test_averager_rejects_bad_inputs_and_skips_when_alone(dht: hivemind.DHT) -> None:
+    cfg = SwarmConfig.for_loopback(
+        run_id="alone", matchmaking_time_s=1.0, matchmaking_timeout_s=2.0, request_timeout_s=0.5
+    )
+    averager = RoundAverager([torch.zeros(2, 3), torch.zeros(4)], dht, cfg, fingerprint="abcdef0123456789")
+    try:
+        good = [torch.ones(2, 3), torch.ones(4)]
+        with pytest.raises(ValueError, match=r"fresh\[1\] is \(5,\)"):
+            averager.average([torch.ones(2, 3), torch.ones(5)], weight=1.0, staleness=0, epoch=0)
+        with pytest.raises(ValueError, match="NaN"):
+            averager.average(
+                [torch.ones(2, 3), torch.full((4,), float("nan"))], weight=1.0, staleness=0, epoch=0
+            )
+        with pytest.raises(ValueError, match="weight"):
+            averager.average(good, weight=float("inf"), staleness=0, epoch=0)
+        result = averager.average(good, weight=1.0, staleness=0, epoch=0)
+        assert result.outcome == "skipped" and "no group" in result.reason
+        assert result.fresh_mean is None and result.group_size == 0
+    finally:
+        averager.shutdown()

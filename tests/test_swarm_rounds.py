@@ -78,6 +78,25 @@ def test_three_peers_get_the_same_exact_weighted_mean(swarm: Swarm) -> None:
     assert len({r["fresh_sha"] for r in results}) == 1
 
 
+def test_lossy_codec_keeps_results_bitwise_identical_across_peers(swarm: Swarm) -> None:
+    cfg = _cfg(min_group_size=3, target_group_size=3)
+    common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, compression="float16")
+    peers = [
+        swarm.spawn(f"p{i}", fresh=value, weight=1.0, **common) for i, value in enumerate([1.0, 2.0, 4.0])
+    ]
+    swarm.wait_ready()
+    results = [swarm.result(p) for p in peers]
+    expected = _weighted([(1.0, 1.0), (1.0, 2.0), (1.0, 4.0)])
+    for result in results:
+        assert result["outcome"] == "averaged", result["reason"]
+        for values, tensor in zip(result["fresh_mean"], expected, strict=True):
+            # float16 keeps about 3 decimal digits
+            torch.testing.assert_close(
+                torch.tensor(values, dtype=torch.float64), tensor.reshape(-1), rtol=2e-3, atol=0
+            )
+    assert len({r["fresh_sha"] for r in results}) == 1
+
+
 def test_stale_work_is_a_separate_term_normalised_by_the_fresh_weight(swarm: Swarm) -> None:
     cfg = _cfg(min_group_size=3, target_group_size=3)
     common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, epoch=4)

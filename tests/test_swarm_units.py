@@ -36,7 +36,10 @@ def test_default_and_loopback_configs_are_valid() -> None:
     [
         (dict(initial_peers=["garbage"]), r"initial_peers\[0\].*/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW"),
         (dict(initial_peers=["/ip4/1.2.3.4/tcp/31337"]), r"initial_peers\[0\].*no /p2p/"),
-        (dict(initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/notapeer"]), r"initial_peers\[0\].*cannot parse.*notapeer"),
+        (
+            dict(initial_peers=["/ip4/1.2.3.4/tcp/31337/p2p/notapeer"]),
+            r"initial_peers\[0\].*cannot parse.*notapeer",
+        ),
         (dict(host_maddrs=["/ip4/1.2.3.4/tcp/x"]), r"host_maddrs\[0\]"),
         (dict(host_maddrs=[]), "host_maddrs must hold at least one"),
         (dict(announce_maddrs=["/ip4/1.2.3.4/tcp/0"]), r"announce_maddrs\[0\].*explicit port"),
@@ -226,3 +229,22 @@ def test_global_epoch_is_the_max_of_non_client_peers_with_optional_quorum() -> N
     assert global_epoch([]) is None
     with pytest.raises(ValueError):
         global_epoch(records, min_peers=0)
+
+
+def test_member_info_for_round_validates_and_marks_absent_work() -> None:
+    info = MemberInfo.for_round("run", "abcdef0123456789", 3, 2.0, 0.0, 5, True, True)
+    assert info.has_fresh and not info.has_stale and info.staleness == 0  # zero stale weight: no stale work
+    assert MemberInfo.from_wire(info.to_wire()) == info
+    info = MemberInfo.for_round("run", "abcdef0123456789", 3, 2.0, 1.0, 5, False, True)
+    assert not info.has_fresh and info.weight == 0.0 and info.has_stale and info.staleness == 5
+    for bad in (
+        dict(weight=float("nan")),
+        dict(weight=-1.0),
+        dict(stale_weight=float("inf")),
+        dict(staleness=-1),
+        dict(epoch=1.5),
+        dict(epoch=True),
+    ):
+        args = dict(weight=1.0, stale_weight=0.0, staleness=0, epoch=0) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            MemberInfo.for_round("run", "abcdef0123456789", carries_fresh=True, carries_stale=False, **args)

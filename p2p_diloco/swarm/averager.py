@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
@@ -37,7 +37,13 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
 from p2p_diloco.swarm.config import SwarmConfig
-from p2p_diloco.swarm.group import MAX_STALENESS, MAX_WEIGHT, GroupPlan, MemberInfo, encode_gather, plan_group
+from p2p_diloco.swarm.group import (
+    FINGERPRINT_PATTERN,
+    GroupPlan,
+    MemberInfo,
+    encode_gather,
+    plan_group,
+)
 from p2p_diloco.swarm.runner import (
     STATUS_SUFFIX,
     ByteCounter,
@@ -82,7 +88,6 @@ class RoundResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     """Serialized protobuf payload of the all-reduce messages (see ``runner.ByteCounter``)."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def averaged(self) -> bool:
@@ -104,7 +109,7 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
       again in the gathered metadata.
     :param compression: hivemind codec for the all-reduce parts (default: none). Pre-scaled values are about
       the size of the weighted mean, so relative-error codecs (fp16, 8-bit) behave as on plain gradients.
-    :param fault_hook: test-only; called in the averager process at "allreduce_begin" and "part_sent".
+    :param fault_hook: test-only, see ``runner.FaultHook``.
 
     Memory: two shared-memory buffers the size of ``template`` (fresh and stale), plus a copy of the result
     per round. Only one ``average`` call may run at a time.
@@ -125,11 +130,7 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
             raise ValueError("template must hold at least one tensor")
         if not all(t.is_floating_point() for t in template):
             raise ValueError("pseudo-gradients must have floating-point dtypes")
-        if not (
-            isinstance(fingerprint, str)
-            and 8 <= len(fingerprint) <= 64
-            and set(fingerprint) <= set("0123456789abcdef")
-        ):
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
             raise ValueError(f"fingerprint must be 8-64 lowercase hex characters, got {fingerprint!r}")
         self.cfg, self.fingerprint = cfg, fingerprint
         self.num_tensors = len(template)
@@ -191,30 +192,21 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
         :param stale: an older pseudo-gradient being folded into this round, or ``None``.
         :param stale_weight: its effective weight (the caller's discount already applied).
         """
-        for name, value in (("weight", weight), ("stale_weight", stale_weight)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-            if not 0 <= value <= MAX_WEIGHT:
-                raise ValueError(f"{name} must be within [0, {MAX_WEIGHT}], got {value!r}")
-        for name, value, high in (("staleness", staleness, MAX_STALENESS), ("epoch", epoch, 10**9)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
-                raise ValueError(f"{name} must be an integer within [0, {high}], got {value!r}")
         if fresh is not None:
             self._check_tensors("fresh", fresh)
         if stale is not None:
             self._check_tensors("stale", stale)
-        has_fresh = fresh is not None and weight > 0
-        has_stale = stale is not None and stale_weight > 0
-        info = MemberInfo(
-            run_id=self.cfg.run_id,
-            fingerprint=self.fingerprint,
-            epoch=epoch,
-            weight=float(weight) if has_fresh else 0.0,
-            stale_weight=float(stale_weight) if has_stale else 0.0,
-            staleness=staleness if has_stale else 0,
-            has_fresh=has_fresh,
-            has_stale=has_stale,
+        info = MemberInfo.for_round(
+            self.cfg.run_id,
+            self.fingerprint,
+            epoch,
+            weight,
+            stale_weight,
+            staleness,
+            fresh is not None,
+            stale is not None,
         )
+        has_fresh, has_stale = info.has_fresh, info.has_stale
         budget = self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s + _HOST_GRACE_S
         if not self.is_alive():
             return RoundResult("skipped", "the averager process is not running", epoch)

@@ -70,7 +70,7 @@ def _check_range(name: str, value: float, low: float, high: float, *, integer: b
 class SwarmConfig:
     """How this peer joins the swarm and how long it waits for others at each stage of a round."""
 
-    run_id: str = "p2p_diloco"
+    run_id: str = field(default="p2p_diloco", metadata={"cli": False})
     """Name of the training run; prefixes every DHT key, so runs sharing a DHT never mix. 1-64 characters of
     letters, digits, '_' and '-'. Every peer of one run must use the same value."""
 

@@ -35,7 +35,7 @@ GATHER_VERSION = 1
 MAX_WEIGHT = 1e12
 MAX_STALENESS = 10**6
 _MAX_GATHER_BYTES = 4096
-_FINGERPRINT_PATTERN = re.compile(r"^[0-9a-f]{8,64}$")
+FINGERPRINT_PATTERN = re.compile(r"^[0-9a-f]{8,64}$")
 _KEYS = frozenset({"v", "run", "fp", "ep", "w", "sw", "st", "f", "s"})
 
 
@@ -54,6 +54,40 @@ class MemberInfo:
     """How many epochs old its stale contribution is (0 when it carries none)."""
     has_fresh: bool
     has_stale: bool
+
+    @classmethod
+    def for_round(
+        cls,
+        run_id: str,
+        fingerprint: str,
+        epoch: int,
+        weight: float,
+        stale_weight: float,
+        staleness: int,
+        carries_fresh: bool,
+        carries_stale: bool,
+    ) -> MemberInfo:
+        """This peer's announcement, from the caller's arguments; ``ValueError`` names a bad one. A zero
+        weight means "no such work": the contribution is then announced (and sent) as absent."""
+        for name, value in (("weight", weight), ("stale_weight", stale_weight)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if not 0 <= value <= MAX_WEIGHT:
+                raise ValueError(f"{name} must be within [0, {MAX_WEIGHT}], got {value!r}")
+        for name, value, high in (("staleness", staleness, MAX_STALENESS), ("epoch", epoch, 10**9)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+                raise ValueError(f"{name} must be an integer within [0, {high}], got {value!r}")
+        has_fresh, has_stale = carries_fresh and weight > 0, carries_stale and stale_weight > 0
+        return cls(
+            run_id=run_id,
+            fingerprint=fingerprint,
+            epoch=epoch,
+            weight=float(weight) if has_fresh else 0.0,
+            stale_weight=float(stale_weight) if has_stale else 0.0,
+            staleness=staleness if has_stale else 0,
+            has_fresh=has_fresh,
+            has_stale=has_stale,
+        )
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -78,7 +112,7 @@ class MemberInfo:
         run_id, fingerprint = obj["run"], obj["fp"]
         if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
             raise ValueError("invalid run id")
-        if not isinstance(fingerprint, str) or not _FINGERPRINT_PATTERN.fullmatch(fingerprint):
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
             raise ValueError("invalid model fingerprint")
         for key, high in (("ep", 10**9), ("st", MAX_STALENESS)):
             value = obj[key]

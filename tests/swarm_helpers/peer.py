@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 
 from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.checksum import params_sha256
@@ -160,7 +161,15 @@ def main() -> None:
     install_validators(dht, cfg.run_id)
     hook = FAULT_HOOKS.get(spec.get("fault", ""))
     template = [torch.zeros(shape) for shape in spec["shapes"]]
-    averager = RoundAverager(template, dht, cfg, fingerprint=spec["fingerprint"], fault_hook=hook)
+    codecs = {
+        "none": NoCompression(),
+        "float16": Float16Compression(),
+        "uniform8bit": Uniform8BitQuantization(),
+    }
+    compression = codecs[spec.get("compression", "none")]
+    averager = RoundAverager(
+        template, dht, cfg, fingerprint=spec["fingerprint"], compression=compression, fault_hook=hook
+    )
     out: dict[str, Any] = dict(peer_id=dht.peer_id.to_base58(), maddrs=visible_maddrs(dht))
     role = spec["role"]
     if role == "donor":
