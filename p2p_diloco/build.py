@@ -35,9 +35,16 @@ class LocalSetup:
     fingerprint: str
 
 
-def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = None) -> LocalSetup:
+def build_model_and_tokenizer(cfg: TrainConfig) -> tuple[Tokenizer, PreTrainedModel]:
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.model, tuple(PRESETS))
     model = build_model(cfg.model.model, tokenizer.vocab_size, cfg.model.seq_len, seed=cfg.run.seed)
+    return tokenizer, model
+
+
+def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = None,
+                parts: tuple[Tokenizer, PreTrainedModel] | None = None) -> LocalSetup:
+    """Everything a peer trains with. ``peer_id`` picks its data shard; ``parts`` reuses a built model."""
+    tokenizer, model = parts or build_model_and_tokenizer(cfg)
     train = open_text_dataset(cfg.data.dataset, "train", cfg.data.text_field, cfg.data.dataset_config)
     held_out = open_text_dataset(cfg.data.dataset, "eval", cfg.data.text_field, cfg.data.dataset_config)
     stream = PeerTokenStream(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 CODECS = ("none", "fp16", "int8", "4bit")
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -195,7 +195,7 @@ class RunConfig:
 
     run_id: str = "p2p-diloco-demo"
     """Name shared by every peer of one training run; peers with another run id are never averaged with.
-    Letters, digits, '.', '_' and '-', at most 64 characters."""
+    Letters, digits, '_' and '-', at most 64 characters."""
 
     seed: int = 0
     """Seed for model initialisation (shared by the run) and local data order (mixed with the peer id)."""
@@ -227,7 +227,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
             raise ValueError(
-                f"run_id: use 1-64 letters, digits, '.', '_' or '-' starting with a letter or digit, "
+                f"run_id: use 1-64 letters, digits, '_' or '-' starting with a letter or digit, "
                 f"got {self.run_id!r}"
             )
         if self.max_rounds < 0:

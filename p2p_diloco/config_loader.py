@@ -2,7 +2,7 @@
 
 Precedence, lowest to highest: dataclass defaults < config file < environment < command line.
 
-Every leaf field of the tree becomes a flag ``--name-with-dashes`` (or the name given in the field's
+Every leaf field of the tree (except those with ``metadata={"cli": False}``) becomes a flag ``--name-with-dashes`` (or the name given in the field's
 ``metadata={"flag": ...}``), an environment variable ``P2P_DILOCO_NAME_WITH_UNDERSCORES`` and a key
 ``section.field`` in the config file. The help text of a flag is the docstring written right under its
 field, so the dataclass stays the single source of truth.
@@ -88,6 +88,8 @@ def _leaves(cls: type, prefix: tuple[str, ...] = ()) -> list[_Leaf]:
     out: list[_Leaf] = []
     for f in dataclasses.fields(cls):
         ann = hints[f.name]
+        if f.metadata.get("cli") is False:
+            continue  # set by the enclosing config, not by the user
         if dataclasses.is_dataclass(ann):
             out.extend(_leaves(ann, prefix + (f.name,)))
         else:
@@ -178,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if default is dataclasses.MISSING and leaf.field.default_factory is not dataclasses.MISSING:
             default = leaf.field.default_factory()
         help_text = f"{leaf.help} [default: {default!r}; env {leaf.env}]"
-        kwargs: dict[str, Any] = {"dest": leaf.dotted, "default": argparse.SUPPRESS, "help": help_text}
+        kwargs: dict[str, Any] = {"dest": leaf.dotted, "default": argparse.SUPPRESS, "help": help_text,
+                                  "metavar": leaf.flag.replace("-", "_").upper()}
         if ann is bool:
             # `--client-mode` alone means true; `--client-mode false` is also accepted.
             kwargs.update(nargs="?", const=True, type=_bool_flag, metavar="BOOL")

@@ -1,13 +1,144 @@
-"""``run_peer``: join or start a p2p_diloco swarm."""
+"""``run_peer``: train with a p2p_diloco swarm.
+
+- no arguments: start a new swarm on the embedded defaults (tiny model, embedded corpus) and print how
+  others join;
+- ``--initial-peers MADDR ...``: join an existing swarm.
+
+The training loop below is plain PyTorch (``InnerTrainer``); the swarm is reached only through the
+``SwarmSession`` contract.
+"""
 
 from __future__ import annotations
 
+import logging
+import signal
 import sys
+import time
+from collections.abc import Sequence
+
+from p2p_diloco.build import build_local, build_model_and_tokenizer
+from p2p_diloco.checkpoint import CheckpointError, load_latest, save_checkpoint
+from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
+from p2p_diloco.config_loader import to_dict
+from p2p_diloco.data.loader import DataPosition
+from p2p_diloco.data.sources import DataSourceError
+from p2p_diloco.models import ModelLoadError, count_parameters, model_fingerprint
+from p2p_diloco.peer.config import PeerConfig
+from p2p_diloco.peer.faults import FaultPlan
+from p2p_diloco.peer.runlog import RunLog
+from p2p_diloco.peer.session import SwarmSession
+from p2p_diloco.swarm import SwarmStartError
+
+logger = logging.getLogger(__name__)
+PROG = "run_peer"
 
 
-def main(argv: list[str] | None = None) -> int:
-    print("run_peer: the swarm is not implemented yet; use python -m p2p_diloco.demo", file=sys.stderr)
-    return 2
+class Stop(Exception):
+    """SIGINT/SIGTERM: leave the swarm cleanly."""
+
+
+def _raise_stop(*_: object) -> None:
+    # Only the first signal interrupts; shutting down must not be interrupted in turn.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stop()
+
+
+def _load_resume(cfg: PeerConfig, fingerprint: str):
+    if not cfg.run.resume:
+        return None
+    try:
+        ck = load_latest(cfg.run.checkpoint_dir)
+    except CheckpointError as e:
+        usage_error(PROG, str(e))
+    if ck is None:
+        logger.info("No checkpoint in %s yet; starting without one", cfg.run.checkpoint_dir)
+        return None
+    for key, ours in (("run_id", cfg.run.run_id), ("fingerprint", fingerprint)):
+        if ck.manifest.get(key) != ours:
+            usage_error(PROG, f"checkpoint {ck.path} belongs to {key} {ck.manifest.get(key)!r}, not {ours!r}; "
+                              "use another --checkpoint-dir or the matching --run-id/--model")
+    return ck
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser(PROG, "Train a language model together with a p2p_diloco swarm.", PeerConfig)
+    cfg, args = parse_config(parser, PeerConfig, argv)
+    setup_logging(args.verbose)
+    runlog = RunLog(cfg.run.log_file)
+    try:
+        tokenizer, model = build_model_and_tokenizer(cfg)
+    except (ModelLoadError, ValueError) as e:
+        usage_error(PROG, str(e))
+    fingerprint = model_fingerprint(model, cfg.model.model)
+    ck = _load_resume(cfg, fingerprint)
+    try:
+        faults = FaultPlan.from_env(lambda action, epoch: runlog.write("fault", action=action, epoch=epoch))
+    except ValueError as e:
+        usage_error(PROG, str(e))
+    session = SwarmSession(cfg, list(model.parameters()), fingerprint, faults=faults)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stop)
+    try:
+        try:
+            how = session.start(ck.tensors if ck else None, ck.epoch if ck else 0)
+        except SwarmStartError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 1
+        data_id = ck.manifest.get("data_id", session.peer_id) if ck else session.peer_id
+        position = DataPosition.from_dict(ck.manifest.get("data_position", {})) if ck else None
+        try:
+            local = build_local(cfg, data_id, position, parts=(tokenizer, model))
+        except (DataSourceError, ValueError) as e:
+            usage_error(PROG, str(e))
+        trainer = local.trainer
+        trainer.step_count = ck.manifest.get("inner_step", 0) if ck else 0
+        for _ in range(trainer.step_count):
+            trainer.scheduler.step()
+        print(f"peer {session.peer_id}: {count_parameters(model):,}-parameter {cfg.model.model} on "
+              f"{trainer.device}, run {cfg.run.run_id!r}, {how}", flush=True)
+        print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
+              f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
+        runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
+                     maddrs=session.visible_maddrs())
+        eval_loss = trainer.evaluate(local.eval_batches)
+        runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
+        print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
+        while not session.done:
+            session.begin_round()
+            steps = session.local_steps()
+            stats = trainer.train_steps(steps, session.on_inner_step)
+            report = session.end_round(stats)
+            evaluated = cfg.run.eval_every and session.rounds_done % cfg.run.eval_every == 0
+            eval_loss = trainer.evaluate(local.eval_batches) if evaluated else float("nan")
+            runlog.write("round", peer_id=session.peer_id, eval_loss=eval_loss, **report.as_dict())
+            print(f"epoch {report.epoch} -> {report.new_epoch}: {report.outcome} (group {report.group_size}), "
+                  f"{report.inner_steps} steps, train {report.train_loss:.4f}"
+                  + (f", eval {eval_loss:.4f}" if evaluated else "")
+                  + f", all-reduce {report.allreduce_seconds:.1f}s"
+                  + (f" [{report.reason}]" if report.reason and report.outcome != "averaged" else ""), flush=True)
+            if cfg.run.checkpoint_dir and session.rounds_done % cfg.run.checkpoint_every == 0:
+                _checkpoint(cfg, session, local.stream.position, trainer.step_count, data_id, fingerprint)
+    except Stop:
+        print("stopping", flush=True)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        session.close()
+        runlog.close()
+    return 0
+
+
+def _checkpoint(cfg: PeerConfig, session: SwarmSession, position: DataPosition, inner_step: int,
+                data_id: str, fingerprint: str) -> None:
+    manifest = {"run_id": cfg.run.run_id, "fingerprint": fingerprint, "model": cfg.model.model,
+                "data_id": data_id, "data_position": position.as_dict(), "inner_step": inner_step,
+                "saved_at": time.time()}
+    try:
+        save_checkpoint(cfg.run.checkpoint_dir, session.epoch, session.state.state_tensors(), manifest,
+                        keep=cfg.run.keep_checkpoints)
+    except CheckpointError as e:
+        logger.error("%s", e)
 
 
 if __name__ == "__main__":

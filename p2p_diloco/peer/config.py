@@ -1,0 +1,20 @@
+"""A swarm peer's configuration: the local training settings plus the swarm's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from p2p_diloco.config import TrainConfig
+from p2p_diloco.swarm.config import SwarmConfig
+
+
+@dataclass
+class PeerConfig(TrainConfig):
+    """Everything ``run_peer`` takes; each leaf field is also a flag, an env variable and a file key."""
+
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # One run id for both layers: it names the data seed, the DHT keys and the matchmaking prefix.
+        self.swarm.run_id = self.run.run_id

@@ -1,0 +1,87 @@
+"""Fault injection keyed by (peer, epoch), for tests and chaos drills on a real swarm.
+
+Faults are read from the environment variable ``P2P_DILOCO_FAULTS`` so that the production command
+line stays clean; with the variable unset nothing here runs. Syntax: comma-separated ``ACTION@EPOCH``
+entries, optionally ``ACTION@EPOCH=VALUE``:
+
+- ``kill_before_allreduce@E``: SIGKILL this peer when its epoch-E round is about to average;
+- ``kill_during_allreduce@E``: SIGKILL this peer after it sent its first all-reduce part in epoch E;
+- ``slow_steps@E=SECONDS``: sleep SECONDS after every inner step of epoch E (a slow GPU, a busy host);
+- ``fail_confirm@E``: report an incomplete all-reduce in epoch E (a reducer that fails mid-way).
+
+Each fault that fires writes a ``fault`` event to the run log first, so a test can assert it fired.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ENV = "P2P_DILOCO_FAULTS"
+ACTIONS = ("kill_before_allreduce", "kill_during_allreduce", "slow_steps", "fail_confirm")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    epoch: int
+    value: float = 0.0
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        action, _, rest = item.partition("@")
+        epoch_text, _, value_text = rest.partition("=")
+        if action not in ACTIONS or not epoch_text.isdigit():
+            raise ValueError(f"{ENV}: cannot read {item!r}; expected ACTION@EPOCH[=VALUE] with ACTION in "
+                             f"{', '.join(ACTIONS)}")
+        faults.append(Fault(action, int(epoch_text), float(value_text) if value_text else 0.0))
+    return faults
+
+
+class FaultPlan:
+    """The faults of this peer; ``record`` is called with (action, epoch) right before a fault acts."""
+
+    def __init__(self, faults: list[Fault], record: Callable[[str, int], None]) -> None:
+        self.faults = faults
+        self.record = record
+        # Shared with the averager process (forked), whose hook needs the current epoch.
+        self._epoch = mp.Value("q", 0, lock=False)
+        self._peer_pid = os.getpid()
+
+    @classmethod
+    def from_env(cls, record: Callable[[str, int], None]) -> FaultPlan | None:
+        text = os.environ.get(ENV, "")
+        return cls(parse_faults(text), record) if text.strip() else None
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.value = epoch
+
+    def _find(self, action: str) -> Fault | None:
+        return next((f for f in self.faults if f.action == action and f.epoch == self._epoch.value), None)
+
+    def before_allreduce(self) -> None:
+        if self._find("kill_before_allreduce"):
+            self.record("kill_before_allreduce", self._epoch.value)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_inner_step(self) -> None:
+        fault = self._find("slow_steps")
+        if fault:
+            time.sleep(fault.value)
+
+    def averager_hook(self, stage: str) -> bool | None:
+        """Runs inside the averager process (see ``swarm.runner.FaultHook``)."""
+        if stage == "part_sent" and self._find("kill_during_allreduce"):
+            self.record("kill_during_allreduce", self._epoch.value)
+            os.kill(self._peer_pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if stage == "confirm" and self._find("fail_confirm"):
+            self.record("fail_confirm", self._epoch.value)
+            return False
+        return None
