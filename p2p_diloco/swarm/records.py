@@ -123,14 +123,7 @@ def publish_progress(
     )
     if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s):
         raise ValueError("progress rates must be finite")
-    return bool(
-        dht.store(
-            progress_key(run_id),
-            subkey=dht.peer_id.to_base58(),
-            value=record.dict(),
-            expiration_time=now + ttl_s,
-        )
-    )
+    return _store(dht, progress_key(run_id), record.dict(), now + ttl_s)
 
 
 def _parse_progress(peer_id: Any, entry: Any, now: float) -> PeerProgress | str:
@@ -160,6 +153,18 @@ def _parse_progress(peer_id: Any, entry: Any, now: float) -> PeerProgress | str:
     if not _finite(parsed.steps_per_s, parsed.samples_per_s, parsed.tokens_per_s, parsed.time):
         return "non-finite number"
     return PeerProgress(peer_id=peer_id, expiration_time=float(entry.expiration_time), **parsed.dict())
+
+
+def _store(dht: hivemind.DHT, key: str, value: Any, expiration_time: float) -> bool:
+    """Store under this peer's subkey; ``False`` (logged) if the DHT refuses or does not answer in time."""
+    future = dht.store(
+        key, subkey=dht.peer_id.to_base58(), value=value, expiration_time=expiration_time, return_future=True
+    )
+    try:
+        return bool(future.result(timeout=_DHT_TIMEOUT_S))
+    except TimeoutError:
+        logger.warning("DHT store of %s timed out after %.0f s", key, _DHT_TIMEOUT_S)
+        return False
 
 
 def _fetch_subkeys(dht: hivemind.DHT, key: str) -> dict[Any, Any]:
@@ -223,14 +228,7 @@ def publish_checksum(
         raise ValueError(f"sha256_hex must be 64 lowercase hex characters, got {sha256_hex!r}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= _MAX_EPOCH:
         raise ValueError(f"epoch must be an integer within [0, {_MAX_EPOCH}], got {epoch!r}")
-    return bool(
-        dht.store(
-            checksum_key(run_id, epoch),
-            subkey=dht.peer_id.to_base58(),
-            value=sha256_hex,
-            expiration_time=get_dht_time() + ttl_s,
-        )
-    )
+    return _store(dht, checksum_key(run_id, epoch), sha256_hex, get_dht_time() + ttl_s)
 
 
 def fetch_checksums(dht: hivemind.DHT, run_id: str, epoch: int) -> dict[str, str]:

@@ -169,7 +169,9 @@ class StateSharingMixin:
         return metadata, tensors
 
 
-def _state_metadata(run_id: str, fingerprint: str, epoch: int, sha: str, n_params: int, n_opt: int) -> dict:
+def make_state_metadata(
+    run_id: str, fingerprint: str, epoch: int, sha: str, n_params: int, n_opt: int
+) -> dict:
     return {
         "v": STATE_VERSION,
         "run": run_id,
@@ -199,7 +201,7 @@ class StateServer:
         opt_cpu = [t.detach().to("cpu", copy=True) for t in opt_tensors]
         sha = params_sha256(params_cpu)
         cfg = self._averager.cfg
-        metadata = _state_metadata(
+        metadata = make_state_metadata(
             cfg.run_id, self._averager.fingerprint, int(epoch), sha, len(params_cpu), len(opt_cpu)
         )
         with self._lock:
@@ -266,16 +268,20 @@ def download_state(
     cfg = averager.cfg
     deadline = time.monotonic() + (timeout if timeout is not None else cfg.state_download_timeout_s)
     templates = list(template_params) + list(template_opt)
-    if min_epoch is None:
-        min_epoch = (
-            global_epoch(fetch_progress(averager.dht, cfg.run_id), fingerprint=averager.fingerprint) or 0
-        )
+    try:
+        donors = averager.state_donors()[:max_donors]
+        if min_epoch is None:
+            progress = fetch_progress(averager.dht, cfg.run_id)
+            min_epoch = global_epoch(progress, fingerprint=averager.fingerprint) or 0
+    except Exception as e:
+        logger.warning("Cannot look up state donors or the swarm's epoch: %r", e)
+        return None
     expected_bytes = sum(t.numel() * t.element_size() for t in templates)
     max_bytes = int(expected_bytes * 1.05) + 2**20 + len(templates) * 1024  # protobuf fields and part headers
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in templates})
     majorities: dict[int, tuple[str | None, int, int]] = {}
     rejected: list[str] = []
-    for peer, _priority in averager.state_donors()[:max_donors]:
+    for peer, _priority in donors:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             rejected.append(f"{peer}: not tried, state_download_timeout_s ran out")

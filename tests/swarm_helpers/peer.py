@@ -29,7 +29,7 @@ from p2p_diloco.swarm.checksum import params_sha256
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.records import install_validators, publish_checksum, publish_progress
-from p2p_diloco.swarm.state import StateServer, _state_metadata, download_state
+from p2p_diloco.swarm.state import StateServer, download_state, make_state_metadata
 
 MAX_WAIT_S = 60.0
 
@@ -148,7 +148,9 @@ def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
         elif kind == "tampered":  # self-consistent, but not what the swarm's majority published
             params[0] = params[0] + 1.0
             sha = params_sha256(params)
-        meta = _state_metadata(averager.cfg.run_id, averager.fingerprint, epoch, sha, len(params), len(opt))
+        meta = make_state_metadata(
+            averager.cfg.run_id, averager.fingerprint, epoch, sha, len(params), len(opt)
+        )
         averager.set_state_provider(lambda: (meta, params + opt))
     averager.state_sharing_priority = float(state["priority"])
 
