@@ -27,7 +27,7 @@ from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.faults import FaultPlan
 from p2p_diloco.peer.runlog import RunLog
 from p2p_diloco.peer.session import SwarmSession
-from p2p_diloco.swarm import SwarmStartError
+from p2p_diloco.swarm import SwarmStartError, params_sha256
 
 logger = logging.getLogger(__name__)
 PROG = "run_peer"
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
               f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
         runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
-                     maddrs=session.visible_maddrs())
+                     maddrs=session.visible_maddrs(), params_sha256=params_sha256(session.state.anchors))
         eval_loss = trainer.evaluate(local.eval_batches)
         runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
         print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)

@@ -1,0 +1,91 @@
+"""Start real bootstrap and peer processes on loopback for the multi-peer tests, and read their logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MADDR = re.compile(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+")
+
+# Loopback timings: rounds of a few seconds. Every peer of a test shares them.
+FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "15",
+        "--allreduce-timeout-s", "30", "--next-chunk-timeout-s", "10", "--request-timeout-s", "2",
+        "--state-download-timeout-s", "30", "--startup-timeout-s", "15", "--progress-ttl-s", "30",
+        "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--inner-lr", "2e-3", "--warmup-steps", "5",
+        "--eval-batches", "2", "--local-steps", "10", "--min-local-steps", "2"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    e.pop("P2P_DILOCO_FAULTS", None)
+    e.update(extra)
+    return e
+
+
+def start_bootstrap(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    out = open(tmp / "bootstrap.out", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path", str(tmp / "bootstrap.id"),
+         "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra],
+        stdout=out, stderr=subprocess.STDOUT, env=env(),
+    )
+    return proc, wait_for_maddr(tmp / "bootstrap.out", proc)
+
+
+def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = MADDR.search(path.read_text())
+        if match:
+            return match.group(0)
+        if proc.poll() is not None:
+            raise AssertionError(f"{path.name}: exited with {proc.returncode}: {path.read_text()[-2000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"{path.name}: no multiaddr within {timeout} s")
+
+
+def start_peer(tmp: Path, name: str, bootstrap: str, *extra: str, faults: str = "") -> subprocess.Popen:
+    out = open(tmp / f"{name}.out", "a")
+    args = [sys.executable, "-m", "p2p_diloco.cli.run_peer", *FAST, "--initial-peers", bootstrap,
+            "--log-file", str(tmp / f"{name}.jsonl"), *extra]
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                            env=env(**({"P2P_DILOCO_FAULTS": faults} if faults else {})))
+
+
+def wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    codes = {}
+    for name, proc in procs.items():
+        try:
+            codes[name] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes[name] = proc.wait()
+    return codes
+
+
+def events(tmp: Path, name: str, kind: str | None = None) -> list[dict]:
+    path = tmp / f"{name}.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r["event"] == kind]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def tail(tmp: Path, name: str, n: int = 3000) -> str:
+    path = tmp / f"{name}.out"
+    return path.read_text()[-n:] if path.exists() else ""

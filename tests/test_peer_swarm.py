@@ -1,0 +1,131 @@
+"""run_peer and run_bootstrap as real processes on loopback: rounds, late work, joining, kill and resume."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wait_for
+
+pytestmark = pytest.mark.slow
+
+SYNCED = ("averaged", "folded_late", "resynced")
+
+
+def _sha_by_epoch(tmp: Path, names: list[str]) -> dict[int, set[str]]:
+    """Every checksum each peer reported for each epoch it reached through the swarm."""
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    for name in names:
+        for r in events(tmp, name, "round"):
+            if r["outcome"] in SYNCED:
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+        for r in events(tmp, name, "start"):
+            if r["how"].startswith("joined"):
+                by_epoch[r["epoch"]].add(r["params_sha256"])
+    return by_epoch
+
+
+def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> None:
+    boot, maddr = start_bootstrap(tmp_path)
+    try:
+        procs = {
+            "a": start_peer(tmp_path, "a", maddr, "--run-id", "t1", "--max-rounds", "5"),
+            "b": start_peer(tmp_path, "b", maddr, "--run-id", "t1", "--max-rounds", "5"),
+            # c is slowed during epoch 1 so it misses that round and must fold its work into a later one.
+            "c": start_peer(tmp_path, "c", maddr, "--run-id", "t1", "--max-rounds", "5",
+                            faults="slow_steps@1=0.8"),
+        }
+        wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 240, "epoch 2 at a")
+        procs["d"] = start_peer(tmp_path, "d", maddr, "--run-id", "t1", "--max-rounds", "2")
+        codes = wait_all(procs, 300)
+    finally:
+        boot.terminate()
+    assert codes == {"a": 0, "b": 0, "c": 0, "d": 0}, {n: tail(tmp_path, n) for n in codes}
+
+    rounds = {n: events(tmp_path, n, "round") for n in procs}
+    required = {"event", "epoch", "peer_id", "outcome", "group_size", "contributors", "weights", "staleness",
+                "inner_steps", "inner_seconds", "allreduce_seconds", "wait_seconds", "bytes_sent",
+                "bytes_received", "train_loss", "eval_loss", "params_sha256"}
+    assert all(required <= set(r) for rs in rounds.values() for r in rs)
+    assert sum(r["outcome"] == "averaged" and r["group_size"] >= 2 for r in rounds["a"]) >= 3
+
+    # Every peer that reached an epoch through the swarm holds the very same parameters.
+    for epoch, shas in _sha_by_epoch(tmp_path, list(procs)).items():
+        assert len(shas) == 1, f"epoch {epoch}: {len(shas)} different parameter checksums"
+
+    # Loss falls on every original peer.
+    for name in "abc":
+        first = events(tmp_path, name, "eval")[0]["eval_loss"]
+        last = [r["eval_loss"] for r in rounds[name] if r["eval_loss"] is not None][-1]
+        assert last < first - 1.0, (name, first, last)
+
+    # c missed epoch 1, resynchronised, and its late work was folded in later with staleness recorded.
+    assert any(r["epoch"] == 1 and r["outcome"] == "resynced" for r in rounds["c"]), rounds["c"]
+    folded = [r for r in rounds["c"] if r["outcome"] == "folded_late"]
+    assert folded and any(s >= 1 for s in folded[0]["staleness"])
+    assert any(r["late_folded"] >= 1 and r["outcome"] == "averaged" for n in "ab" for r in rounds[n])
+
+    # d joined mid-run: it downloaded the swarm's state (checked by the epoch checksums above) first.
+    start = events(tmp_path, "d", "start")[0]
+    assert start["how"].startswith("joined at epoch") and start["epoch"] >= 2
+
+
+def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
+    boot, maddr = start_bootstrap(tmp_path)
+    ckpt = tmp_path / "ckpt-b"
+    try:
+        procs = {
+            "a": start_peer(tmp_path, "a", maddr, "--run-id", "t2", "--max-rounds", "5"),
+            "b": start_peer(tmp_path, "b", maddr, "--run-id", "t2", "--max-rounds", "5",
+                            "--checkpoint-dir", str(ckpt), faults="kill_during_allreduce@2"),
+            "c": start_peer(tmp_path, "c", maddr, "--run-id", "t2", "--max-rounds", "5"),
+        }
+        procs["b"].wait(timeout=240)
+        assert procs["b"].returncode == -9, tail(tmp_path, "b")
+        fault = events(tmp_path, "b", "fault")
+        assert [(f["action"], f["epoch"]) for f in fault] == [("kill_during_allreduce", 2)]
+        before = events(tmp_path, "b", "round")
+        procs["b"] = start_peer(tmp_path, "b", maddr, "--run-id", "t2", "--max-rounds", "2",
+                                "--checkpoint-dir", str(ckpt), "--resume")
+        codes = wait_all(procs, 300)
+    finally:
+        boot.terminate()
+    assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in codes}
+
+    # No survivor applied the all-reduce that b died in as if it were complete.
+    for name in "ac":
+        for r in events(tmp_path, name, "round"):
+            b_id = events(tmp_path, "b", "start")[0]["peer_id"]
+            if r["epoch"] == 2 and b_id in r["contributors"]:
+                assert r["outcome"] == "skipped", r
+    # The survivors kept training together with identical parameters.
+    for epoch, shas in _sha_by_epoch(tmp_path, ["a", "b", "c"]).items():
+        assert len(shas) == 1, f"epoch {epoch}: {len(shas)} different parameter checksums"
+    assert max(r["new_epoch"] for r in events(tmp_path, "a", "round")) >= 4
+
+    # b restarted from its newest checkpoint (written after its last completed round), then caught up.
+    last_epoch_before_kill = max(r["new_epoch"] for r in before)
+    restart = events(tmp_path, "b", "start")[1]
+    assert restart["epoch"] >= last_epoch_before_kill
+    assert "resumed at epoch" in restart["how"] or restart["how"].startswith("joined")
+
+
+def test_peer_bootstraps_from_a_plain_hivemind_dht_node(tmp_path: Path) -> None:
+    out = open(tmp_path / "dht.out", "w")
+    dht = subprocess.Popen([str(Path(sys.executable).parent / "hivemind-dht"), "--host_maddrs",
+                            "/ip4/127.0.0.1/tcp/0", "--identity_path", str(tmp_path / "dht.id")],
+                           stdout=out, stderr=subprocess.STDOUT)
+    try:
+        from swarm_procs import wait_for_maddr
+
+        maddr = wait_for_maddr(tmp_path / "dht.out", dht)
+        peer = start_peer(tmp_path, "solo", maddr, "--run-id", "t3", "--max-rounds", "1")
+        code = wait_all({"solo": peer}, 180)["solo"]
+    finally:
+        dht.terminate()
+    assert code == 0, tail(tmp_path, "solo")
+    (r,) = events(tmp_path, "solo", "round")
+    assert r["outcome"] == "averaged" and r["group_size"] == 1 and r["new_epoch"] == 1
