@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +71,29 @@ from p2p_diloco.swarm import (
 from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
+
+class SessionListener:
+    """Receives what the session does; metrics, the terminal display and tests subclass it.
+
+    Every method has a no-op default, so a listener implements only what it needs. Methods run on the
+    training thread: keep them cheap and never raise.
+    """
+
+    def status(self, phase: str, epoch: int) -> None:
+        """Phase changes: training, matchmaking/averaging, syncing."""
+
+    def inner_step(self, step: int, total: int, loss: float, epoch: int) -> None:
+        """After every inner step; ``total`` is this phase's DyLU step count."""
+
+    def round(self, report: RoundReport, stats: InnerStats) -> None:
+        """After every round, with what it did."""
+
+    def swarm(self, peers_visible: int, swarm_epoch: int | None) -> None:
+        """Whenever the session read the swarm's progress records."""
+
+    def state_transfer(self, direction: str, ok: bool) -> None:
+        """A state download: direction 'received' (ok or not)."""
+
 
 PROGRESS_EVERY_S = 5.0
 """Publish progress at most this often during an inner phase (it is this peer's presence signal)."""
@@ -133,18 +155,17 @@ class SwarmSession:
         cfg: the peer's configuration.
         params: the model's live parameters; the session writes θ(t) into them in place.
         fingerprint: the model's architecture digest; peers of another model are never averaged with.
-        on_status: optional callback ``(phase, details)`` for progress displays.
+        listeners: receivers of progress (metrics, terminal display); see :class:`SessionListener`.
         faults: injected faults (tests and drills only; see :mod:`p2p_diloco.peer.faults`).
     """
 
     def __init__(self, cfg: PeerConfig, params: list[torch.Tensor], fingerprint: str,
-                 on_status: Callable[[str, dict[str, Any]], None] | None = None,
-                 faults: FaultPlan | None = None) -> None:
+                 listeners: list[SessionListener] | None = None, faults: FaultPlan | None = None) -> None:
         self.cfg = cfg
         self.faults = faults
+        self.listeners = list(listeners or [])
         self.params = params
         self.fingerprint = fingerprint
-        self.on_status = on_status or (lambda phase, details: None)
         self.policy = StalenessPolicy(cfg.outer.staleness_decay, cfg.outer.max_staleness)
         # Anchors on the CPU: the averager shares them with its process and the outer step is cheap.
         self.state = OuterState(params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, policy=self.policy,
@@ -157,6 +178,7 @@ class SwarmSession:
         self.rounds_done = 0
         self.peers_visible = 0
         self.inner_step = 0
+        self.planned_steps = cfg.outer.local_steps
         self._last_progress = 0.0
         self._last_rates = (0.0, 0.0, 0.0)
         self.dht = None
@@ -201,7 +223,7 @@ class SwarmSession:
 
     def _join(self, swarm_epoch: int) -> str | None:
         """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear."""
-        self.on_status("syncing", {"epoch": swarm_epoch})
+        self._notify("status", "syncing", swarm_epoch)
         deadline = time.monotonic() + self.cfg.swarm.state_download_timeout_s
         while time.monotonic() < deadline:
             if self._resync(min_epoch=swarm_epoch, timeout=max(1.0, deadline - time.monotonic())):
@@ -228,7 +250,8 @@ class SwarmSession:
         for record in self._records():
             if record.peer_id != self.peer_id and record.steps_per_s > 0:
                 self.dylu.observe(record.peer_id, record.steps_per_s)
-        return self.dylu.local_steps(self.my_speed)
+        self.planned_steps = self.dylu.local_steps(self.my_speed)
+        return self.planned_steps
 
     def begin_round(self) -> None:
         """Start the inner phase from the anchors (unless the last round was skipped: then train on)."""
@@ -236,11 +259,12 @@ class SwarmSession:
             self.state.begin(self.params)
         if self.faults:
             self.faults.set_epoch(self.epoch)
-        self.on_status("training", {"epoch": self.epoch})
+        self._notify("status", "training", self.epoch)
 
     def on_inner_step(self, step: int, loss: float) -> None:
         """Pass to ``InnerTrainer.train_steps``: keeps this peer's progress record fresh in the DHT."""
         self.inner_step += 1
+        self._notify("inner_step", step, self.planned_steps, loss, self.epoch)
         if self.faults:
             self.faults.after_inner_step()
         now = time.monotonic()
@@ -274,6 +298,7 @@ class SwarmSession:
         report.new_epoch = self.epoch
         report.params_sha256 = params_sha256(self.state.anchors)
         self._publish_progress()
+        self._notify("round", report, stats)
         return report
 
     # ------------------------------------------------------------------ internals
@@ -293,7 +318,7 @@ class SwarmSession:
 
     def _average(self, delta: list[torch.Tensor], weight: float, report: RoundReport) -> None:
         stale, stale_weight, staleness = self._late_for_round()
-        self.on_status("averaging", {"epoch": self.epoch})
+        self._notify("status", "averaging", self.epoch)
         if self.faults:
             self.faults.before_allreduce()
         result = self.averager.average(delta, weight, staleness, self.epoch, stale=stale, stale_weight=stale_weight)
@@ -354,10 +379,11 @@ class SwarmSession:
 
     def _resync(self, min_epoch: int, timeout: float | None = None) -> bool:
         """Download and load the swarm's verified state of ``min_epoch`` or newer."""
-        self.on_status("syncing", {"epoch": min_epoch})
+        self._notify("status", "syncing", min_epoch)
         templates = self.state.anchors
         state = download_state(self.averager, templates, [torch.zeros_like(t) for t in templates],
                                min_epoch=min_epoch, timeout=timeout)
+        self._notify("state_transfer", "received", state is not None)
         if state is None:
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours", min_epoch)
             return False
@@ -379,7 +405,16 @@ class SwarmSession:
     def _records(self) -> list:
         records = [r for r in fetch_progress(self.dht, self.cfg.swarm.run_id) if r.fingerprint == self.fingerprint]
         self.peers_visible = len(records)
+        epochs = [r.epoch for r in records if not r.client_mode]
+        self._notify("swarm", self.peers_visible, max(epochs) if epochs else None)
         return records
+
+    def _notify(self, method: str, *args: Any) -> None:
+        for listener in self.listeners:
+            try:
+                getattr(listener, method)(*args)
+            except Exception:  # noqa: BLE001 - a display or metrics bug must not stop training
+                logger.exception("listener %s.%s failed", type(listener).__name__, method)
 
     def _swarm_epoch(self) -> int | None:
         epochs = [r.epoch for r in self._records() if not r.client_mode]
