@@ -167,6 +167,13 @@ class OuterConfig:
     error_feedback: bool = False
     """Keep what lossy compression dropped and add it to the next round's pseudo-gradient."""
 
+    overlap: Literal["none", "eager"] = "none"
+    """'none': wait for each round's all-reduce before training on (every peer holds identical parameters).
+    'eager': run round t's all-reduce in the background while round t+1 trains, and step with the eager rule
+    (own work fresh, the others' one round old), hiding the all-reduce when it takes less than a round. Pick
+    eager when the all-reduce costs a noticeable share of a round (slow links, large models); peers' parameters
+    then differ by their last own term, and every peer of a run must use the same mode."""
+
     max_staleness: int = 4
     """Late work older than this many rounds is dropped instead of folded in."""
 
@@ -184,6 +191,8 @@ class OuterConfig:
             )
         if self.compression not in CODECS:
             raise ValueError(f"compression: must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        if self.overlap not in ("none", "eager"):
+            raise ValueError(f"overlap: must be 'none' or 'eager', got {self.overlap!r}")
         if not 0 <= self.max_staleness <= 1000:
             raise ValueError(f"max_staleness: must be in [0, 1000], got {self.max_staleness}")
         _check_range("staleness_decay", self.staleness_decay, 0.0, 1.0)

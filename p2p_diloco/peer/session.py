@@ -27,6 +27,14 @@ A round, from this peer's side (epoch ``e``: its anchors are θ(e)):
 5. **Alone.** With no other live peer of this run and model in the DHT, the peer applies its own
    pseudo-gradient (DiLoCo with k = 1) so a lone volunteer still makes progress.
 
+With ``--overlap eager`` step 3 changes (see :mod:`p2p_diloco.peer.eager`): the all-reduce of epoch ``e``
+runs in the background during the next inner phase, and the outer step uses the core's eager rule with the
+complete average of epoch ``e - 1`` (outcome ``averaged``) or, when that one was late, failed or partial,
+the own term only (outcome ``own_only``). Peers' parameters then legitimately differ by their last own
+term, so step 2 (checksum majority) is off and no checksums are published; with every round complete the
+difference is exactly ``lr * share * (Δ_m(e) − Δ_m'(e))`` for plain SGD (momentum 0), and bounded by a
+few such terms with momentum. A state download or a solo round resets the eager state.
+
 How this differs from hivemind's ``Optimizer``: there, peers accumulate gradients towards a global batch
 and average after every epoch; late peers' gradients are discarded and the peer loads state. Here peers
 average pseudo-gradients after hundreds of local steps, late work is folded into a later round, and the
@@ -54,6 +62,7 @@ from p2p_diloco.core.delayed import (
 from p2p_diloco.core.dylu import DyLU
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.peer.config import PeerConfig
+from p2p_diloco.peer.eager import EagerOverlap, eager_round
 from p2p_diloco.peer.faults import FaultPlan
 from p2p_diloco.swarm import (
     RoundAverager,
@@ -130,6 +139,9 @@ class RoundReport:
     new_epoch: int = 0
     late_folded: int = 0
     """How many late contributions (any member's) this round applied."""
+    blocked_seconds: float = 0.0
+    """How long training waited for the network this round (the whole all-reduce when blocking; with eager
+    overlap only the wait for the previous round's background all-reduce)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -184,6 +196,7 @@ class SwarmSession:
         self.dht = None
         self.averager: RoundAverager | None = None
         self.server: StateServer | None = None
+        self.overlap: EagerOverlap | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -209,6 +222,8 @@ class SwarmSession:
             fault_hook=self.faults.averager_hook if self.faults else None,
         )
         self.server = StateServer(self.averager)
+        if self.cfg.outer.overlap == "eager":
+            self.overlap = EagerOverlap(self.averager, self.peer_id)
         how = "fresh"
         if resume_tensors is not None:
             self.state.load_state_tensors(resume_tensors, resume_epoch)
@@ -235,6 +250,8 @@ class SwarmSession:
         return None
 
     def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close(timeout=self.cfg.swarm.shutdown_timeout_s)
         if self.averager is not None:
             self.averager.shutdown()
         if self.dht is not None:
@@ -283,8 +300,11 @@ class SwarmSession:
         report = RoundReport(epoch=self.epoch, outcome="", inner_steps=stats.steps,
                              inner_seconds=stats.seconds, train_loss=stats.mean_loss)
         swarm_epoch = self._swarm_epoch()
-        behind = swarm_epoch is not None and swarm_epoch > self.epoch
-        drifted = not behind and self._in_minority()
+        # Eager peers step without waiting for each other, so a peer one epoch ahead is normal there.
+        slack = 1 if self.overlap is not None else 0
+        behind = swarm_epoch is not None and swarm_epoch > self.epoch + slack
+        # Eager peers differ by their own terms by design (see the module docstring): no checksum vote.
+        drifted = not behind and self.overlap is None and self._in_minority()
         if behind or drifted:
             self._stash_late(delta, weight)
             reason = (f"swarm is at epoch {swarm_epoch}, we are at {self.epoch}" if behind
@@ -293,8 +313,12 @@ class SwarmSession:
             report.outcome, report.reason = "resynced" if synced else "skipped", reason
         elif self.peers_visible <= 1:
             self._apply_solo(delta, weight, report)
+        elif self.overlap is not None:
+            eager_round(self, delta, weight, report, stats.seconds)
         else:
+            started = time.monotonic()
             self._average(delta, weight, report)
+            report.blocked_seconds = time.monotonic() - started
         report.new_epoch = self.epoch
         report.params_sha256 = params_sha256(self.state.anchors)
         self._publish_progress()
@@ -360,11 +384,17 @@ class SwarmSession:
         report.reason = "no other peer visible: applied our own pseudo-gradient"
         report.late_folded = int(stale is not None)
         self.late = None
+        if self.overlap is not None:
+            # Any background round belongs to the group we no longer average with.
+            self.overlap.discard("this peer applied a solo round since")
+            self.state.eager.reset()
 
     def _apply(self, aggregate: RoundAggregate) -> None:
         self.state.apply(aggregate, self.params)
         self.continue_local, self.carry_weight = False, 0.0
         sha = self._serve_state()
+        if self.overlap is not None:
+            return  # eager peers publish no checksums (see the module docstring)
         try:
             publish_checksum(self.dht, self.cfg.swarm.run_id, self.epoch, sha, ttl_s=self.cfg.swarm.checksum_ttl_s)
         except ValueError as e:
@@ -391,6 +421,8 @@ class SwarmSession:
         tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
         self.state.load_state_tensors(tensors, state.epoch)
         self.state.eager.reset()
+        if self.overlap is not None:
+            self.overlap.discard("this peer downloaded a new state since")
         self.state.begin(self.params)
         self.continue_local, self.carry_weight = False, 0.0
         self._serve_state()
