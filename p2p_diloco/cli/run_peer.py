@@ -2,7 +2,8 @@
 
 - no arguments: start a new swarm on the embedded defaults (tiny model, embedded corpus) and print how
   others join;
-- ``--initial-peers MADDR ...``: join an existing swarm.
+- ``--initial-peers MADDR ...``: join an existing swarm;
+- ``doctor [same flags]``: check that joining would work, without training (:mod:`p2p_diloco.cli.doctor`).
 
 The training loop below is plain PyTorch (``InnerTrainer``); the swarm is reached only through the
 ``SwarmSession`` contract.
@@ -62,6 +63,11 @@ def _load_resume(cfg: PeerConfig, fingerprint: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"]:
+        from p2p_diloco.cli import doctor
+
+        return doctor.main(argv[1:])
     parser = make_parser(PROG, "Train a language model together with a p2p_diloco swarm.", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)

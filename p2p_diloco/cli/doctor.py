@@ -1,0 +1,479 @@
+"""``run_peer doctor``: check, before an evening is spent, whether this machine can join the swarm.
+
+It takes exactly the flags of ``run_peer`` (same parser, same config file, same environment) and reports,
+each with a fix:
+
+- the installed versions of the key packages, and any that break the declared requirements of hivemind or
+  p2p_diloco (the usual protobuf clash);
+- the device and dtype training will use;
+- free memory and disk against what the model needs;
+- whether the p2p daemon starts on the given addresses (a real hivemind DHT, as ``run_peer`` starts it);
+- whether each initial peer answers, one by one;
+- whether other peers can dial this one, or it needs ``--client-mode`` or a relay.
+
+Exit code 0 when joining would work (warnings included), 1 when it would fail, 2 for a usage error.
+Nothing here trains or joins matchmaking: the DHT node answers pings only while the checks run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import importlib.metadata
+import ipaddress
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from p2p_diloco.cli.common import make_parser, parse_config, setup_logging
+
+PROG = "run_peer doctor"
+GIB = 2**30
+
+PACKAGES = ("torch", "hivemind", "transformers", "datasets", "protobuf", "grpcio", "safetensors",
+            "prometheus-client", "numpy")
+"""Shown in the report; their versions are what a bug report needs first."""
+
+REQUIREMENT_OWNERS = ("hivemind", "p2p-diloco")
+"""Whose declared requirements are checked against what is installed (protobuf and grpcio clashes show up
+as a broken requirement of hivemind long before they show up as a crash)."""
+
+PROCESS_OVERHEAD_BYTES = 1 * GIB
+"""Host memory the Python processes take besides tensors (interpreter, torch, the DHT and averager
+processes): a round figure, so that a tiny model is not reported as fitting in a few megabytes."""
+
+
+@dataclass
+class Check:
+    """One line of the report: ``status`` is ok, warn (joining works, but look at it) or fail."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+# ----------------------------------------------------------------------------------------------- packages
+
+
+def unmet_requirements(owner_requirements: dict[str, list[str]], installed: dict[str, str]) -> list[str]:
+    """Requirements (``"hivemind needs protobuf>=5.29.0, found 4.25.3"``) that the installed versions break.
+
+    ``owner_requirements`` maps a package to its requirement strings as ``importlib.metadata.requires``
+    gives them; ``installed`` maps normalized package names to versions. Extras are not checked; a
+    requirement whose package is absent is reported as missing.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import InvalidVersion, Version
+
+    problems = []
+    for owner, requirements in owner_requirements.items():
+        for text in requirements:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                continue
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            version = installed.get(canonicalize_name(req.name))
+            if version is None:
+                problems.append(f"{owner} needs {req}, which is not installed")
+                continue
+            try:
+                ok = req.specifier.contains(Version(version), prereleases=True)
+            except InvalidVersion:
+                continue
+            if not ok:
+                problems.append(f"{owner} needs {req}, found {req.name} {version}")
+    return problems
+
+
+def check_packages() -> Check:
+    from packaging.utils import canonicalize_name
+
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()
+                 if d.metadata["Name"]}
+    shown = ", ".join(f"{p} {installed.get(canonicalize_name(p), 'missing')}" for p in PACKAGES)
+    requirements = {}
+    for owner in REQUIREMENT_OWNERS:
+        try:
+            requirements[owner] = importlib.metadata.requires(owner) or []
+        except importlib.metadata.PackageNotFoundError:
+            requirements[owner] = []
+    problems = unmet_requirements(requirements, installed)
+    if problems:
+        return Check("packages", "fail", f"{shown}; " + "; ".join(problems),
+                     "reinstall into a fresh virtual environment: bash scripts/setup.sh (or pip install -e . "
+                     "there), so pip resolves versions that fit together")
+    return Check("packages", "ok", shown)
+
+
+# ------------------------------------------------------------------------------------------- device, model
+
+
+def check_device(device_name: str, precision: str) -> tuple[Check, object | None]:
+    """The device and autocast dtype, as the trainer will pick them; returns the torch device too."""
+    import torch
+
+    from p2p_diloco.device import autocast_dtype, select_device
+
+    try:
+        device = select_device(device_name)
+        dtype = autocast_dtype(device, precision)
+    except ValueError as e:
+        return Check("device", "fail", str(e)), None
+    compute = "bf16 autocast over fp32 weights" if dtype is not None else "fp32"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        return Check("device", "ok", f"{device} ({name}, torch {torch.__version__}), {compute}"), device
+    detail = f"{device}, {compute} (torch {torch.__version__})"
+    if shutil.which("nvidia-smi") and torch.version.cuda is None:
+        return Check("device", "warn", f"{detail}; this machine has an NVIDIA driver but torch is a CPU build",
+                     "install the CUDA build of torch: TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 "
+                     "bash scripts/setup.sh (after removing .venv)"), device
+    return Check("device", "ok", detail), device
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+
+
+def model_shape(model: str, tokenizer: str | None, seq_len: int) -> ModelShape:
+    """Parameter count and dimensions, from a model built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    from p2p_diloco.data.tokenizer import load_tokenizer
+    from p2p_diloco.models import PRESETS, count_parameters, preset_config
+
+    if model in PRESETS:
+        vocab = load_tokenizer(tokenizer, model, tuple(PRESETS)).vocab_size
+        config = preset_config(model, vocab, seq_len)
+        with torch.device("meta"):
+            built = LlamaForCausalLM(config)
+    else:
+        config = AutoConfig.from_pretrained(model)
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config)
+    text = getattr(config, "get_text_config", lambda: config)()
+    return ModelShape(count_parameters(built), int(getattr(text, "num_hidden_layers", 1)),
+                      int(getattr(text, "hidden_size", 1)), int(getattr(text, "num_attention_heads", 1)),
+                      int(getattr(text, "vocab_size", 1)))
+
+
+def training_bytes(shape: ModelShape, micro_batch: int, seq_len: int, low_precision: bool) -> int:
+    """What the training device holds: fp32 weights, gradients and AdamW's two moments (16 bytes per
+    parameter), plus activations of one micro-batch.
+
+    Activations follow Korthikanti et al. (2022): per layer ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit, twice
+    that in fp32, plus the logits and their gradient. It is an upper estimate: fused attention kernels skip
+    the ``5*a*s/h`` term. Lower ``--micro-batch-size`` (gradient accumulation keeps the batch) or
+    ``--seq-len`` when it does not fit.
+    """
+    width = 2 if low_precision else 4
+    per_layer = seq_len * micro_batch * shape.hidden * (34 + 5 * shape.heads * seq_len / shape.hidden)
+    activations = shape.layers * per_layer * width / 2
+    logits = 2 * micro_batch * seq_len * shape.vocab * 4
+    return int(16 * shape.parameters + activations + logits)
+
+
+def host_bytes(parameters: int) -> int:
+    """Host memory the swarm side keeps (all fp32, on the CPU even when training runs on a GPU): anchors,
+    outer momentum, the averager's buffer and at most one late pseudo-gradient, plus process overhead."""
+    return 16 * parameters + PROCESS_OVERHEAD_BYTES
+
+
+def checkpoint_bytes(parameters: int, momentum: float) -> int:
+    """One checkpoint: fp32 anchors, plus the outer momentum when momentum is used."""
+    return 4 * parameters * (2 if momentum > 0 else 1)
+
+
+def check_resources(cfg, device) -> list[Check]:
+    """Memory on the training device and the host, and disk for checkpoints, against the model's needs."""
+    import psutil
+    import torch
+
+    try:
+        shape = model_shape(cfg.model.model, cfg.data.tokenizer, cfg.model.seq_len)
+    except Exception as e:  # a hub id that cannot be resolved offline, a bad local folder, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return [Check("model", "fail", f"cannot read the configuration of model {cfg.model.model!r}: {first}",
+                      "use a preset (tiny, small, 150m), a local folder with config.json, or a hub id while "
+                      "online")]
+    checks = [Check("model", "ok", f"{cfg.model.model}: {shape.parameters:,} parameters")]
+    if device is None:
+        return checks
+    from p2p_diloco.device import autocast_dtype
+
+    low = autocast_dtype(device, cfg.inner.precision) is not None
+    train = training_bytes(shape, cfg.inner.micro_batch, cfg.model.seq_len, low)
+    host = host_bytes(shape.parameters) + (train if device.type != "cuda" else 0)
+    available = psutil.virtual_memory().available
+    checks.append(_fits("memory", host, available, "host RAM",
+                        "close other programs, lower --micro-batch-size or --seq-len, or pick a smaller --model"))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        checks.append(_fits("gpu memory", train, free, f"free on {device}",
+                            "lower --micro-batch-size (the batch is kept by accumulation) or --seq-len, or "
+                            "free the GPU (nvidia-smi shows who holds it)"))
+    checks.append(_check_disk(cfg, checkpoint_bytes(shape.parameters, cfg.outer.momentum)))
+    return checks
+
+
+def _fits(name: str, need: int, have: int, where: str, fix: str) -> Check:
+    detail = f"needs about {need / GIB:.2f} GiB, {have / GIB:.2f} GiB {where}"
+    if have < need:
+        return Check(name, "fail", detail, fix)
+    if have < 1.25 * need:
+        return Check(name, "warn", detail + " (little headroom)", fix)
+    return Check(name, "ok", detail)
+
+
+def _check_disk(cfg, one: int) -> Check:
+    if not cfg.run.checkpoint_dir:
+        return Check("disk", "ok", f"no --checkpoint-dir: nothing is saved (one checkpoint would be "
+                                   f"{one / 2**20:.1f} MiB); pass one to be able to stop and --resume")
+    # the newest checkpoint is written completely before the oldest is deleted
+    need = (cfg.run.keep_checkpoints + 1) * one
+    path = os.path.abspath(cfg.run.checkpoint_dir)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK):
+        return Check("disk", "fail", f"{existing} is not writable, so checkpoints cannot go to {path}",
+                     "choose a --checkpoint-dir you can write to")
+    free = shutil.disk_usage(existing).free
+    return _fits("disk", need, free, f"free under {existing} ({cfg.run.keep_checkpoints} checkpoints kept, "
+                                     f"{one / 2**20:.1f} MiB each)",
+                 "free disk space, lower --keep-checkpoints, or choose another --checkpoint-dir")
+
+
+# ------------------------------------------------------------------------------------------------ network
+
+
+def _host(maddr_text: str) -> tuple[str, str] | None:
+    """(protocol, value) of the address part of a multiaddr: ip4/ip6 or a dns name."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        maddr = Multiaddr(maddr_text)
+    except Exception:
+        return None
+    for proto in ("ip4", "ip6", "dns", "dns4", "dns6", "dnsaddr"):
+        if proto in maddr:
+            return proto, maddr[proto]
+    return None
+
+
+def is_public(maddr_text: str) -> bool:
+    """Whether peers elsewhere on the internet could dial this address (a global IP or a DNS name)."""
+    host = _host(maddr_text)
+    if host is None:
+        return False
+    proto, value = host
+    if proto.startswith("dns"):
+        return value != "localhost"
+    try:
+        return ipaddress.ip_address(value).is_global
+    except ValueError:
+        return False
+
+
+def classify_reachability(visible: Sequence[str], initial_peers: Sequence[str], client_mode: bool) -> Check:
+    """Can the other peers dial this one? Judged from the addresses the daemon announces.
+
+    Peers of a group dial each other during every all-reduce, so a peer that announces only private
+    addresses while the swarm lives on the internet stalls others' rounds: it must run in client mode
+    (others need not dial it) or become reachable (port forwarding or a relay).
+    """
+    if client_mode:
+        return Check("reachability", "ok", "client mode: nobody needs to dial this peer; it averages with "
+                                           "others but does not aggregate parts for them or serve state")
+    relayed = [a for a in visible if "/p2p-circuit" in a]
+    if relayed:
+        return Check("reachability", "ok", f"reachable through a relay: {relayed[0]}")
+    public = [a for a in visible if is_public(a)]
+    if public:
+        return Check("reachability", "ok", f"announces public address(es) {', '.join(public[:3])}; other peers "
+                                           "reach it if that TCP port is open in the firewall")
+    shown = ", ".join(visible[:3]) or "none"
+    remote = [p for p in initial_peers if is_public(p)]
+    nat_fix = ("this peer is behind NAT or a firewall. Either pass --client-mode (you still train and "
+               "average), or forward a TCP port on your router and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT "
+               "--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT, or pass --use-relay --use-auto-relay to be "
+               "reached through a relay")
+    if remote:
+        return Check("reachability", "fail", f"only private addresses ({shown}) while the swarm is on the "
+                                             "internet: other peers cannot dial this one", nat_fix)
+    if not initial_peers:
+        return Check("reachability", "warn", f"only private addresses ({shown}): a swarm started here is "
+                                             "reachable from this network only", nat_fix)
+    return Check("reachability", "ok", f"local swarm: the initial peers and this peer ({shown}) share a "
+                                       "network")
+
+
+async def _probe(maddr_text: str, connect_timeout: float, _dht: object, node) -> tuple[str, str]:
+    """Runs inside the DHT process: dial one initial peer, then ping its DHT as hivemind's bootstrap does.
+
+    The ping is validated like ``run_peer``'s first one: the remote peer's clock must agree with ours.
+    """
+    from hivemind.dht.protocol import ValidationError
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    maddr = Multiaddr(maddr_text)
+    peer_id = PeerID.from_base58(maddr["p2p"])
+    try:
+        # hivemind's P2P wrapper has no public dial; its daemon client's connect is what bootstrap uses
+        await asyncio.wait_for(node.p2p._client.connect(peer_id, [maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))]), connect_timeout)
+    except asyncio.TimeoutError:
+        return "timeout", ""
+    except Exception as e:
+        return "unreachable", " ".join(str(e).split())[:300]
+    try:
+        answer = await node.protocol.call_ping(peer_id, validate=True, strict=True)
+    except ValidationError as e:
+        return "rejected", str(e)
+    return ("ok", "") if answer is not None else ("silent", "")
+
+
+def _peer_check(maddr: str, outcome: str, info: str, connect_timeout: float, wait_timeout: float) -> Check:
+    name = f"initial peer {maddr}"
+    if outcome == "ok":
+        return Check(name, "ok", "answered")
+    if outcome == "timeout":
+        return Check(name, "fail", f"no connection within {connect_timeout:g} s",
+                     "check the address; a firewall may drop the packets, or the link is slow "
+                     "(raise --startup-timeout-s)")
+    if outcome == "unreachable":
+        return Check(name, "fail", f"cannot connect ({info})",
+                     "is that peer running? Its address and peer id change when it restarts without "
+                     "--identity-path; ask its operator for the current line")
+    if outcome == "silent":
+        return Check(name, "fail", f"connected, but its DHT did not answer within {wait_timeout:g} s",
+                     "it may be overloaded or another program; raise --dht-wait-timeout-s on slow links")
+    fix = ("synchronise this machine's clock (enable NTP)" if "time" in info
+           else "pass --client-mode, or make this peer reachable (see the reachability line)")
+    return Check(name, "fail", f"answered but refused this peer: {info}", fix)
+
+
+def _probe_config(swarm, maddr: str):
+    """A throwaway client-mode node that dials only ``maddr``.
+
+    One daemon per address, because a daemon that has reached a peer once reuses that connection (and the
+    peer's other known addresses) for every later dial: a stale address listed after a working one of the
+    same peer would look alive.
+    """
+    host = _host(maddr)
+    loopback = host is not None and host[0] in ("ip4", "ip6") and ipaddress.ip_address(host[1]).is_loopback
+    listen = ("/ip6/::1/tcp/0" if host[0] == "ip6" else "/ip4/127.0.0.1/tcp/0") if loopback else (
+        "/ip6/::/tcp/0" if host is not None and host[0] == "ip6" else "/ip4/0.0.0.0/tcp/0")
+    return dataclasses.replace(swarm, initial_peers=[], host_maddrs=[listen], announce_maddrs=[],
+                               identity_path=None, client_mode=True, nat_port_map=False)
+
+
+def probe_initial_peer(swarm, maddr: str) -> Check:
+    from p2p_diloco.swarm.dht import SwarmStartError, start_dht
+
+    try:
+        dht = start_dht(_probe_config(swarm, maddr))
+    except SwarmStartError as e:
+        return Check(f"initial peer {maddr}", "fail", f"not checked, a probe daemon did not start: {e}")
+    try:
+        probe = functools.partial(_probe, maddr, swarm.startup_timeout_s)
+        # the probe bounds its dial and its ping; this bound only guards against a wedged DHT process
+        bound = swarm.startup_timeout_s + swarm.dht_wait_timeout_s + 30
+        try:
+            outcome, info = dht.run_coroutine(probe, return_future=True).result(timeout=bound)
+        except TimeoutError:
+            outcome, info = "timeout", ""
+    finally:
+        dht.shutdown()
+    return _peer_check(maddr, outcome, info, swarm.startup_timeout_s, swarm.dht_wait_timeout_s)
+
+
+def check_network(cfg) -> list[Check]:
+    """Start the daemon as ``run_peer`` would (minus the initial peers), then probe each initial peer."""
+    from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
+
+    try:
+        dht = start_dht(dataclasses.replace(cfg.swarm, initial_peers=[]))
+    except SwarmStartError as e:
+        return [Check("p2p daemon", "fail", str(e)),
+                Check("initial peers", "warn", "not checked: the daemon did not start")]
+    try:
+        checks = [Check("p2p daemon", "ok", f"started as {dht.peer_id}, listening on "
+                                            f"{', '.join(cfg.swarm.host_maddrs)}")]
+        reachability = classify_reachability(visible_maddrs(dht, latest=True), cfg.swarm.initial_peers,
+                                             cfg.swarm.client_mode)
+    finally:
+        dht.shutdown()
+    peers = [probe_initial_peer(cfg.swarm, maddr) for maddr in cfg.swarm.initial_peers]
+    if peers and not any(c.status == "ok" for c in peers):
+        checks += peers
+        checks.append(Check("initial peers", "fail", "none of the initial peers answered, so run_peer would "
+                                                     "stop at start", "fix one of the lines above"))
+    elif peers:
+        # hivemind needs one answering initial peer; the others only add redundancy
+        checks += [dataclasses.replace(c, status="warn") if c.status == "fail" else c for c in peers]
+    else:
+        checks.append(Check("initial peers", "ok", "none given: this peer would start a new swarm"))
+    return checks + [reachability]
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def report(checks: Iterable[Check]) -> tuple[list[str], int]:
+    """The report's lines and the number of failures."""
+    lines, failures = [], 0
+    for c in checks:
+        failures += c.status == "fail"
+        lines.append(f"[{c.status.upper() if c.status == 'fail' else c.status:4}] {c.name}: {c.detail}")
+        if c.fix and c.status != "ok":
+            lines.append(f"       fix: {c.fix}")
+    return lines, failures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from p2p_diloco.peer.config import PeerConfig
+
+    parser = make_parser(PROG, "Check whether this machine can join the swarm, before training. Takes the "
+                               "same flags as run_peer; exit code 0 when joining would work.", PeerConfig)
+    cfg, args = parse_config(parser, PeerConfig, argv)
+    setup_logging(args.verbose)
+    if not args.verbose:
+        # the report says what the daemons did; their start-up lines would only interleave with it
+        logging.getLogger("p2p_diloco.swarm.dht").setLevel(logging.WARNING)
+    print(f"{PROG}: checking how this machine would join run {cfg.run.run_id!r}", flush=True)
+    checks = [check_packages()]
+    device_check, device = check_device(cfg.inner.device, cfg.inner.precision)
+    checks.append(device_check)
+    checks += check_resources(cfg, device)
+    for line in report(checks)[0]:
+        print(line, flush=True)
+    network = check_network(cfg)
+    for line in report(network)[0]:
+        print(line, flush=True)
+    failures = report(checks + network)[1]
+    if failures:
+        print(f"result: joining would fail ({failures} problem{'s' if failures > 1 else ''}); fix the lines "
+              "marked FAIL and run the doctor again", flush=True)
+        return 1
+    print("result: ready to join; start training with the same flags: run_peer ...", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
