@@ -1,0 +1,132 @@
+"""Each wire codec (--compression none|fp16|int8|4bit, and 4bit with error feedback) through a real 2-peer
+all-reduce: hivemind's butterfly all-reduce between two processes on loopback, with the codec plugged in
+exactly as run_peer plugs it (``session.wire_compression``).
+
+This file is also the peer program: ``python tests/test_wire_codecs.py SPEC.json`` runs one peer through
+one round per codec and writes what it received and the bytes it sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FINGERPRINT = "0123456789abcdef"
+SHAPES = [(256, 256), (4096,)]
+RUNS = [("none", False), ("fp16", False), ("int8", False), ("4bit", False), ("4bit", True)]
+# Worst-case decode error relative to the largest input magnitude (core/codecs.py): fp16 keeps ~11
+# significant bits, int8 rounds to absmax/254, 4-bit (E3M0) to a third of the value. The reducer re-encodes
+# its reply, so a peer sees up to two such errors.
+REL_ERROR = {"none": 0.0, "fp16": 2 * 2**-11, "int8": 2 * 1.01 / 254, "4bit": 2 * 1.01 / 3}
+# Typical (mean) error relative to the mean magnitude: what a codec costs on the whole tensor.
+MEAN_REL_ERROR = {"none": 0.0, "fp16": 1e-3, "int8": 0.02, "4bit": 0.25}
+EF_ROUNDS = 3
+
+
+def peer_input(index: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + index)
+    return [torch.randn(shape, generator=gen) for shape in SHAPES]
+
+
+def _run_peer(spec_path: str) -> None:
+    """One peer: one averaging round per codec run, each with its own run id (groups never mix)."""
+    import logging
+
+    from p2p_diloco.peer.session import wire_compression
+    from p2p_diloco.swarm import RoundAverager, SwarmConfig, start_dht
+
+    logging.basicConfig(level=logging.INFO)
+    spec = json.loads(Path(spec_path).read_text())
+    base = SwarmConfig.for_loopback(initial_peers=spec["initial_peers"])
+    dht = start_dht(base)
+    fresh = peer_input(spec["index"])
+    out = []
+    for name, feedback in RUNS:
+        cfg = SwarmConfig.for_loopback(initial_peers=spec["initial_peers"],
+                                       run_id=f"{spec['run_id']}-{name}{'-ef' if feedback else ''}")
+        averager = RoundAverager(fresh, dht, cfg, fingerprint=FINGERPRINT,
+                                 compression=wire_compression(name, feedback))
+        rounds = []
+        for epoch in range(EF_ROUNDS if feedback else 1):
+            result = averager.average(fresh, 1.0, 0, epoch)
+            rounds.append(dict(outcome=result.outcome, reason=result.reason, group_size=result.group_size,
+                               bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+                               mean=[t.reshape(-1).tolist() for t in result.fresh_mean or []]))
+        averager.shutdown()
+        out.append(dict(codec=name, error_feedback=feedback, rounds=rounds))
+    Path(spec["out"]).write_text(json.dumps(out))
+    dht.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Path) -> None:
+    from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
+
+    boot = start_dht(SwarmConfig.for_loopback())
+    procs = []
+    try:
+        for index in range(2):
+            spec = dict(index=index, initial_peers=visible_maddrs(boot), run_id="wire",
+                        out=str(tmp_path / f"p{index}.json"))
+            (tmp_path / f"p{index}.spec").write_text(json.dumps(spec))
+            log = open(tmp_path / f"p{index}.log", "wb")
+            procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"p{index}.spec")],
+                                          stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")))
+        for proc in procs:
+            proc.wait(timeout=240)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        boot.shutdown()
+    logs = [(tmp_path / f"p{i}.log").read_text(errors="replace")[-3000:] for i in range(2)]
+    assert all(p.returncode == 0 for p in procs), logs
+    results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+
+    inputs = [torch.cat([t.reshape(-1) for t in peer_input(i)]) for i in range(2)]
+    exact = (inputs[0] + inputs[1]) / 2
+    scale = max(float(x.abs().max()) for x in inputs)
+    sent: dict[str, int] = {}
+    for p in range(2):
+        for run in results[p]:
+            name, feedback = run["codec"], run["error_feedback"]
+            for r in run["rounds"]:
+                assert r["outcome"] == "averaged" and r["group_size"] == 2, (name, r["reason"], logs[p])
+            got = [torch.cat([torch.tensor(v) for v in r["mean"]]) for r in run["rounds"]]
+            error = float((got[0] - exact).abs().max())
+            assert error <= REL_ERROR[name] * scale + 1e-6, (name, feedback, error)
+            mean_error = float((got[0] - exact).abs().mean() / exact.abs().mean())
+            assert mean_error <= MEAN_REL_ERROR[name] + 1e-7, (name, feedback, mean_error)
+            if name == "none":
+                torch.testing.assert_close(got[0], exact, rtol=0, atol=1e-6)
+            if feedback:
+                # Error feedback re-sends what rounding dropped: the running mean of the received averages
+                # approaches the exact mean, so it beats the one-shot error of plain 4bit.
+                plain = next(x for x in results[p] if x["codec"] == "4bit" and not x["error_feedback"])
+                plain_err = float((torch.cat([torch.tensor(v) for v in plain["rounds"][0]["mean"]]) - exact)
+                                  .abs().mean())
+                running = float((torch.stack(got).mean(0) - exact).abs().mean())
+                assert running < 0.7 * plain_err, (running, plain_err)
+            else:
+                sent[f"{name}/{p}"] = run["rounds"][0]["bytes_sent"]
+
+    # Bytes are counted from the serialized messages actually sent, so they shrink with the codec.
+    for p in range(2):
+        none_bytes = sent[f"none/{p}"]
+        assert none_bytes >= 0.9 * exact.numel() * 4 / 2  # each peer sends the half it does not reduce
+        assert 0.45 <= sent[f"fp16/{p}"] / none_bytes <= 0.55
+        assert 0.2 <= sent[f"int8/{p}"] / none_bytes <= 0.3
+        assert 0.1 <= sent[f"4bit/{p}"] / none_bytes <= 0.16
+
+
+if __name__ == "__main__":
+    _run_peer(sys.argv[1])
