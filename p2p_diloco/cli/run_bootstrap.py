@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
+from p2p_diloco.config import _RUN_ID
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 
@@ -42,11 +43,29 @@ class BootstrapConfig:
     use_relay: bool = True
     """Relay traffic for volunteers behind NAT (libp2p circuit relay)."""
 
+    metrics_port: int | None = None
+    """Serve swarm-level Prometheus metrics (peers online, global epoch, tokens/s, per-peer epoch lag, rounds)
+    on this port (0.0.0.0), read from the progress records peers publish in the DHT. Default: none."""
+
+    monitor_run_ids: list[str] = field(default_factory=lambda: ["p2p-diloco-demo"])
+    """The runs (--run-id of the peers) whose progress the swarm metrics report; one DHT can carry several."""
+
+    monitor_interval_s: float = 5.0
+    """Seconds between reads of the peers' progress records. Keep it at or below Prometheus'
+    scrape_interval; each read is one DHT lookup per run, so 1 to 15 s costs next to nothing."""
+
     def __post_init__(self) -> None:
         if not self.identity_path:
             raise ValueError("identity_path: a bootstrap node needs a persistent identity file")
         if not self.host_maddrs:
             raise ValueError("host_maddrs: give at least one address to listen on")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"metrics_port: must be in [1, 65535], got {self.metrics_port}")
+        bad = [r for r in self.monitor_run_ids if not _RUN_ID.match(r)]
+        if bad or not self.monitor_run_ids:
+            raise ValueError(f"monitor_run_ids: give run ids of letters, digits, '_' and '-' (got {bad or 'none'})")
+        if not 0.5 <= self.monitor_interval_s <= 3600:
+            raise ValueError(f"monitor_interval_s: must be in [0.5, 3600], got {self.monitor_interval_s}")
 
     def swarm(self) -> SwarmConfig:
         return SwarmConfig(
@@ -76,12 +95,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         addrs = [a for a in visible_maddrs(dht) if "/p2p-circuit" not in a]
         print(f"bootstrap node {dht.peer_id} is up. Volunteers join with:", flush=True)
         print(f"  run_peer --initial-peers {' '.join(addrs)}", flush=True)
+        if cfg.metrics_port:
+            _serve_swarm_metrics(cfg, dht)
         print("Ctrl+C stops this node.", flush=True)
         stop.wait()
         print("shutting down", flush=True)
     finally:
         dht.shutdown()
     return 0
+
+
+def _serve_swarm_metrics(cfg: BootstrapConfig, dht) -> None:
+    from prometheus_client import start_http_server
+
+    from p2p_diloco.monitoring import SwarmExporter
+    from p2p_diloco.swarm.records import install_validators
+
+    for run_id in cfg.monitor_run_ids:
+        install_validators(dht, run_id)
+    exporter = SwarmExporter(dht, cfg.monitor_run_ids, interval_s=cfg.monitor_interval_s)
+    try:
+        start_http_server(cfg.metrics_port, registry=exporter.registry)
+    except OSError as e:
+        usage_error(PROG, f"cannot serve metrics on port {cfg.metrics_port}: {e.strerror or e}; "
+                          "pick a free --metrics-port")
+    exporter.start()
+    print(f"swarm metrics for run(s) {', '.join(cfg.monitor_run_ids)} on "
+          f"http://0.0.0.0:{cfg.metrics_port}/metrics", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from p2p_diloco.config_loader import to_dict
 from p2p_diloco.data.loader import DataPosition
 from p2p_diloco.data.sources import DataSourceError
 from p2p_diloco.models import ModelLoadError, count_parameters, model_fingerprint
+from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay
 from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.faults import FaultPlan
 from p2p_diloco.peer.runlog import RunLog
@@ -82,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         faults = FaultPlan.from_env(lambda action, epoch: runlog.write("fault", action=action, epoch=epoch))
     except ValueError as e:
         usage_error(PROG, str(e))
-    session = SwarmSession(cfg, list(model.parameters()), fingerprint, faults=faults)
+    display = ProgressDisplay.for_terminal(sys.stdout, log_file=cfg.run.log_file,
+                                           tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len)
+    session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display], faults=faults)
+    metrics = _start_metrics(cfg, session) if cfg.run.metrics_port else None
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
     try:
@@ -99,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             usage_error(PROG, str(e))
         trainer = local.trainer
         trainer.step_count = ck.manifest.get("inner_step", 0) if ck else 0
+        if metrics:
+            metrics.set_peer_id(session.peer_id)
+            metrics.inner_steps_total(trainer.step_count)
         for _ in range(trainer.step_count):
             trainer.scheduler.step()
         print(f"peer {session.peer_id}: {count_parameters(model):,}-parameter {cfg.model.model} on "
@@ -109,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      maddrs=session.visible_maddrs(), params_sha256=params_sha256(session.state.anchors))
         eval_loss = trainer.evaluate(local.eval_batches)
         runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
+        if metrics:
+            metrics.eval(eval_loss, session.epoch)
         print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
         while not session.done:
             session.begin_round()
@@ -117,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = session.end_round(stats)
             evaluated = cfg.run.eval_every and session.rounds_done % cfg.run.eval_every == 0
             eval_loss = trainer.evaluate(local.eval_batches) if evaluated else float("nan")
+            if metrics and evaluated:
+                metrics.eval(eval_loss, session.epoch)
             runlog.write("round", peer_id=session.peer_id, eval_loss=eval_loss, **report.as_dict())
             print(f"epoch {report.epoch} -> {report.new_epoch}: {report.outcome} (group {report.group_size}), "
                   f"{report.inner_steps} steps, train {report.train_loss:.4f}"
@@ -124,8 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + f", all-reduce {report.allreduce_seconds:.1f}s"
                   + (f" [{report.reason}]" if report.reason and report.outcome != "averaged" else ""), flush=True)
             if cfg.run.checkpoint_dir and session.rounds_done % cfg.run.checkpoint_every == 0:
-                _checkpoint(cfg, session, local.stream.position, trainer.step_count, data_id, fingerprint)
+                if _checkpoint(cfg, session, local.stream.position, trainer.step_count, data_id, fingerprint) and metrics:
+                    metrics.checkpoint_saved()
     except Stop:
+        display.clear()
         print("stopping", flush=True)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _checkpoint(cfg: PeerConfig, session: SwarmSession, position: DataPosition, inner_step: int,
-                data_id: str, fingerprint: str) -> None:
+                data_id: str, fingerprint: str) -> bool:
     manifest = {"run_id": cfg.run.run_id, "fingerprint": fingerprint, "model": cfg.model.model,
                 "data_id": data_id, "data_position": position.as_dict(), "inner_step": inner_step,
                 "saved_at": time.time()}
@@ -145,6 +158,22 @@ def _checkpoint(cfg: PeerConfig, session: SwarmSession, position: DataPosition, 
                         keep=cfg.run.keep_checkpoints)
     except CheckpointError as e:
         logger.error("%s", e)
+        return False
+    return True
+
+
+def _start_metrics(cfg: PeerConfig, session: SwarmSession) -> PeerMetrics:
+    """Serve this peer's Prometheus metrics on --metrics-port and let them observe the session."""
+    metrics = PeerMetrics(run_id=cfg.run.run_id, model=cfg.model.model, codec=cfg.outer.compression,
+                          served_downloads=lambda: session.server.served if session.server else 0)
+    try:
+        metrics.serve(cfg.run.metrics_port)
+    except OSError as e:
+        usage_error(PROG, f"cannot serve metrics on port {cfg.run.metrics_port}: {e.strerror or e}; "
+                          "pick a free --metrics-port")
+    session.listeners.append(metrics)
+    logger.info("Prometheus metrics on http://0.0.0.0:%d/metrics", cfg.run.metrics_port)
+    return metrics
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ class StateSharingMixin:
                 or not math.isfinite(priority)
             ):
                 continue  # None marks a peer that stopped sharing
+            allowed = getattr(self, "_allowed", None)
+            if allowed is not None and peer.to_base58() not in allowed:
+                continue  # a private swarm takes state only from its own members
             if peer != self.peer_id:  # type: ignore[attr-defined]
                 donors.append((peer.to_base58(), float(priority), random.random()))
         return [(peer, priority) for peer, priority, _ in sorted(donors, key=lambda d: (-d[1], d[2]))]
@@ -194,6 +197,9 @@ class StateServer:
         self._averager = averager
         self._lock = threading.Lock()
         self._snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self.served = 0
+        """Snapshots handed to joiners so far. hivemind runs ``get_current_state`` in this (host) process
+        (its background thread answers the averager process), so a plain counter under the lock is exact."""
 
     def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int) -> str:
         """Snapshot the state of ``epoch`` and serve it; returns the parameters' sha256."""
@@ -214,6 +220,7 @@ class StateServer:
         with self._lock:
             if self._snapshot is None:
                 raise RuntimeError("no state published yet")
+            self.served += 1
             return self._snapshot
 
     def stop(self) -> None:
