@@ -7,13 +7,20 @@ entries, optionally ``ACTION@EPOCH=VALUE``:
 - ``kill_before_allreduce@E``: SIGKILL this peer when its epoch-E round is about to average;
 - ``kill_during_allreduce@E``: SIGKILL this peer after it sent its first all-reduce part in epoch E;
 - ``slow_steps@E=SECONDS``: sleep SECONDS after every inner step of epoch E (a slow GPU, a busy host);
-- ``fail_confirm@E``: report an incomplete all-reduce in epoch E (a reducer that fails mid-way).
+- ``fail_confirm@E``: report an incomplete all-reduce in epoch E (a reducer that fails mid-way);
+- ``slow_sender@E=SECONDS``: stall SECONDS inside the epoch-E all-reduce, after the first part went out (a
+  congested uplink; beyond ``next_chunk_timeout_s`` the groupmates give up on this peer);
+- ``byzantine@E=SCALE``: send the epoch-E pseudo-gradient multiplied by SCALE (e.g. -20: a scaled,
+  sign-flipped attack); ``nan_input@E``: send NaN instead. Reducers must reject or out-vote these.
+
+Faults outside one peer (a partition, losing the bootstrap node) are driven by the tests themselves.
 
 Each fault that fires writes a ``fault`` event to the run log first, so a test can assert it fired.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -22,7 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 ENV = "P2P_DILOCO_FAULTS"
-ACTIONS = ("kill_before_allreduce", "kill_during_allreduce", "slow_steps", "fail_confirm")
+ACTIONS = (
+    "kill_before_allreduce",
+    "kill_during_allreduce",
+    "slow_steps",
+    "fail_confirm",
+    "slow_sender",
+    "byzantine",
+    "nan_input",
+)
+_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine")
 
 
 @dataclass(frozen=True)
@@ -40,7 +56,13 @@ def parse_faults(text: str) -> list[Fault]:
         if action not in ACTIONS or not epoch_text.isdigit():
             raise ValueError(f"{ENV}: cannot read {item!r}; expected ACTION@EPOCH[=VALUE] with ACTION in "
                              f"{', '.join(ACTIONS)}")
-        faults.append(Fault(action, int(epoch_text), float(value_text) if value_text else 0.0))
+        try:
+            value = float(value_text) if value_text else 0.0
+        except ValueError:
+            raise ValueError(f"{ENV}: {item!r} has a value that is not a number") from None
+        if action in _NEEDS_VALUE and (not value_text or not math.isfinite(value)):
+            raise ValueError(f"{ENV}: {item!r} needs a finite number, e.g. {action}@{epoch_text}=2")
+        faults.append(Fault(action, int(epoch_text), value))
     return faults
 
 
@@ -75,8 +97,17 @@ class FaultPlan:
         if fault:
             time.sleep(fault.value)
 
-    def averager_hook(self, stage: str) -> bool | None:
+    def averager_hook(self, stage: str) -> bool | float | None:
         """Runs inside the averager process (see ``swarm.runner.FaultHook``)."""
+        if stage == "corrupt_input":
+            for action in ("byzantine", "nan_input"):
+                fault = self._find(action)
+                if fault:
+                    self.record(action, self._epoch.value)
+                    return fault.value if action == "byzantine" else math.nan
+        if stage == "part_sent" and self._find("slow_sender"):
+            self.record("slow_sender", self._epoch.value)
+            time.sleep(self._find("slow_sender").value)  # type: ignore[union-attr]
         if stage == "part_sent" and self._find("kill_during_allreduce"):
             self.record("kill_during_allreduce", self._epoch.value)
             os.kill(self._peer_pid, signal.SIGKILL)

@@ -139,6 +139,8 @@ class RoundReport:
     new_epoch: int = 0
     late_folded: int = 0
     """How many late contributions (any member's) this round applied."""
+    rejected: list[str] = field(default_factory=list)
+    """Hostile or unauthorised input rejected at receipt, as "peer id: reason"; those peers are banned."""
     blocked_seconds: float = 0.0
     """How long training waited for the network this round (the whole all-reduce when blocking; with eager
     overlap only the wait for the previous round's background all-reduce)."""
@@ -350,6 +352,7 @@ class SwarmSession:
         report.group_size, report.contributors = result.group_size, list(result.contributors)
         report.weights = [w + s for w, s in zip(result.weights, result.stale_weights, strict=True)]
         report.staleness = list(result.stalenesses)
+        report.rejected = list(result.rejected)
         report.allreduce_seconds, report.wait_seconds = result.allreduce_seconds, result.wait_seconds
         report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
         if not result.averaged:

@@ -36,7 +36,8 @@ from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
-from p2p_diloco.swarm.config import SwarmConfig
+from p2p_diloco.swarm.access import AccessControlMixin
+from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
     FINGERPRINT_PATTERN,
     GroupPlan,
@@ -78,6 +79,9 @@ class RoundResult:
     stalenesses: tuple[int, ...] = ()
     refused: tuple[str, ...] = ()
     """Members of the matched group left out, each as "peer id: reason"."""
+    rejected: tuple[str, ...] = ()
+    """Hostile or unauthorised input rejected at receipt, each as "peer id: reason" (implausible weight, NaN
+    or wrong-shaped part, outlier norm, not an allowed peer); those peers are banned for the rest of the run."""
     fresh_mean: list[torch.Tensor] | None = None
     """Sum w_i D_i / sum w_i over members carrying fresh work."""
     stale_term: list[torch.Tensor] | None = None
@@ -94,11 +98,23 @@ class RoundResult:
         return self.outcome == "averaged"
 
 
+def _corrupt(tensors: Sequence[torch.Tensor], factor: object) -> None:
+    """Test-only sabotage of our own input (``byzantine`` faults): multiply it by ``factor`` (NaN fills)."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        return
+    with torch.no_grad():
+        for tensor in tensors:
+            if math.isnan(factor):
+                tensor.fill_(float("nan"))
+            else:
+                tensor.mul_(factor)
+
+
 def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
     return dict(outcome=outcome, reason=reason, **values)
 
 
-class RoundAverager(StateSharingMixin, DecentralizedAverager):
+class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager):
     """Averages pseudo-gradients shaped like ``template`` with the peers of one run and model.
 
     :param template: tensors with the shapes and floating dtypes of the pseudo-gradients (values unused).
@@ -137,6 +153,8 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
         self._layout = [(tuple(t.shape), t.dtype) for t in template]
         buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout * 2]
         self._fault_hook = fault_hook
+        self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
+        self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
         super().__init__(
             buffers,
             dht,
@@ -271,6 +289,7 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
             stale_weights=tuple(report.get("stale_weights", ())),
             stalenesses=tuple(report.get("stalenesses", ())),
             refused=tuple(report.get("refused", ())),
+            rejected=tuple(report.get("rejected", ())),
             allreduce_seconds=report.get("allreduce_seconds", 0.0),
             wait_seconds=report.get("wait_seconds", 0.0),
             bytes_sent=report.get("bytes_sent", 0),
@@ -278,6 +297,8 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
         )
         if result.refused:
             logger.warning("Round %d: refused group members: %s", epoch, "; ".join(result.refused))
+        if result.rejected:
+            logger.warning("Round %d: rejected hostile input: %s", epoch, "; ".join(result.rejected))
         if not result.averaged:
             logger.info("Round %d skipped: %s", epoch, result.reason)
             return result
@@ -369,8 +390,15 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
     ) -> dict[str, Any]:
         began = time.monotonic()
         plan = plan_group(
-            group_info.peer_ids, group_info.gathered, self.peer_id, min_group_size=self.cfg.min_group_size
+            group_info.peer_ids,
+            group_info.gathered,
+            self.peer_id,
+            min_group_size=self.cfg.min_group_size,
+            max_weight=self.cfg.max_round_weight,
+            weight_ratio=self.cfg.weight_outlier_ratio,
+            allowed=self._allowed,
         )
+        rejected = dict(plan.rejected)
         summary = dict(
             peers=[p.to_base58() for p in plan.peer_ids],
             weights=[m.weight for m in plan.members],
@@ -378,6 +406,7 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
             stalenesses=[m.staleness for m in plan.members],
             refused=[f"{peer}: {reason}" for peer, reason in plan.refused],
             with_stale=plan.with_stale,
+            rejected=self._ban(rejected),
         )
         if plan.skip_reason is not None:
             return _report("skipped", plan.skip_reason, **summary)
@@ -404,8 +433,18 @@ class RoundAverager(StateSharingMixin, DecentralizedAverager):
                         tensor.mul_(scale)
             if self._fault_hook is not None:
                 self._fault_hook("allreduce_begin")
+                _corrupt(tensors, self._fault_hook("corrupt_input"))
             make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
-            faults = await run_allreduce(make_runner(tensors, b"", fault_hook=self._fault_hook), tensors)
+            robust = dict(
+                sender_weights=[m.weight if m.has_fresh else 0.0 for m in plan.members],
+                method=self.cfg.aggregation,
+                norm_factor=self.cfg.norm_outlier_factor,
+                banned=frozenset(self._banned),
+            )
+            runner = make_runner(tensors, b"", fault_hook=self._fault_hook, robust=robust)
+            faults = await run_allreduce(runner, tensors)
+            rejected.update(runner.rejected())
+            summary["rejected"] = self._ban(rejected)
             if self._fault_hook is not None and self._fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")
             confirmed, detail = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id)

@@ -9,9 +9,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
+
+from p2p_diloco.core.robust import AGGREGATIONS
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
@@ -56,6 +60,33 @@ def _check_addresses(
         maddr = parse_multiaddr(text, require_peer_id=require_peer_id, what=f"{name}[{i}]")
         if nonzero_port and any(proto in maddr and maddr[proto] == "0" for proto in ("tcp", "udp")):
             raise ValueError(f"{name}[{i}]: {text!r} must name an explicit port (port 0 cannot be announced)")
+
+
+def read_allowed_peers(path: str) -> frozenset[str]:
+    """The base58 peer ids listed in ``path`` (one per line, blank lines and '#' comments ignored)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"allowed_peers must be a file path, got {path!r}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ValueError(
+            f"allowed_peers: cannot read {path} ({reason}); give a file with one peer id per line"
+        ) from None
+    ids = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        try:
+            ids.add(PeerID.from_base58(entry).to_base58())
+        except Exception:
+            raise ValueError(
+                f"allowed_peers: {path} line {number}: {entry[:60]!r} is not a peer id (expected e.g. 12D3KooW...)"
+            ) from None
+    if not ids:
+        raise ValueError(f"allowed_peers: {path} lists no peer id; add one per line or drop --allowed-peers")
+    return frozenset(ids)
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, integer: bool = False) -> None:
@@ -169,6 +200,31 @@ class SwarmConfig:
     shutdown_timeout_s: float = 5.0
     """Grace period for background processes to stop before they are terminated, 0.1-120 s."""
 
+    aggregation: Literal["mean", "trimmed-mean", "centered-clip"] = "mean"
+    """How reducers combine the group's pseudo-gradient parts. ``mean`` is the exact weighted average (trusted
+    or private swarms); ``centered-clip`` bounds what one hostile peer can do and equals the mean on clean data
+    of similar weights (open swarms); ``trimmed-mean`` drops each coordinate's extremes. Every peer of a run
+    should use the same value."""
+
+    allowed_peers: str | None = None
+    """File of peer ids (base58, one per line, '#' comments) allowed to average with this peer and download
+    its state: a private swarm. Enforced on the averaging and state RPCs, not only the DHT. Every member
+    should list every other member (and itself); ``None`` admits anyone."""
+
+    max_round_weight: float = 1e8
+    """Largest weight (samples) a member may claim for one round; members claiming more are refused and banned
+    for the run. Set it above the most samples the fastest peer can process in one round, e.g. 10x
+    (batch size x local steps). Every peer of a run must use the same value."""
+
+    weight_outlier_ratio: float = 1000.0
+    """A member claiming more than this many times the group's median weight is refused and banned, 1-1e12.
+    DyLU gives slow peers fewer steps, so honest weights differ by a few x; keep it well above that."""
+
+    norm_outlier_factor: float = 20.0
+    """A reducer rejects (and bans) a sender whose part of the pseudo-gradient is longer than this many times
+    the group's median norm (groups of 3 or more), 0 to disable. Honest norms scale with weight and local
+    steps and differ by a few x; 20 catches scaled attacks while leaving honest peers alone."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not RUN_ID_PATTERN.fullmatch(self.run_id):
             raise ValueError(
@@ -227,6 +283,20 @@ class SwarmConfig:
         _check_range("startup_timeout_s", self.startup_timeout_s, 1, 600)
         _check_range("dht_wait_timeout_s", self.dht_wait_timeout_s, 0.1, 120)
         _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.1, 120)
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"
+            )
+        if self.allowed_peers is not None:
+            read_allowed_peers(self.allowed_peers)
+        _check_range("max_round_weight", self.max_round_weight, 1, 1e12)
+        _check_range("weight_outlier_ratio", self.weight_outlier_ratio, 1, 1e12)
+        _check_range("norm_outlier_factor", self.norm_outlier_factor, 0, 1e12)
+        if 0 < self.norm_outlier_factor < 2:
+            raise ValueError(
+                f"norm_outlier_factor must be 0 (off) or at least 2, got {self.norm_outlier_factor!r}; "
+                "below that, honest peers would be rejected"
+            )
 
     @classmethod
     def for_loopback(cls, **overrides: object) -> SwarmConfig:

@@ -147,6 +147,9 @@ class GroupPlan:
     """Whether the all-reduce layout carries the stale buffers after the fresh ones."""
     fresh_weight_total: float
     skip_reason: str | None
+    rejected: tuple[tuple[str, str], ...] = ()
+    """``(peer id, reason)`` for members refused as hostile or unauthorised (implausible weight, not in the
+    allowed list); also listed in ``refused``. The caller bans them for the run."""
 
     def local_scales(self, peer_id: PeerID) -> tuple[float, float]:
         """Factors by which ``peer_id`` multiplies its fresh and stale buffers before the plain mean."""
@@ -195,8 +198,38 @@ def decode_gather(raw: Any) -> tuple[float | None, AveragingMode, MemberInfo]:
     )
 
 
+def implausible_weights(
+    infos: Sequence[MemberInfo], max_weight: float, ratio: float
+) -> dict[int, str]:
+    """Members whose claimed weights nobody could have processed: index -> reason.
+
+    A claim is implausible above ``max_weight`` (a run-wide cap) or above ``ratio`` times the lower median of
+    the group's positive claims (so one inflated claim cannot raise the median it is compared with).
+    """
+    found: dict[int, str] = {}
+    for i, info in enumerate(infos):
+        claim = max(info.weight, info.stale_weight)
+        if claim > max_weight:
+            found[i] = f"claimed weight {claim:.3g} exceeds max_round_weight {max_weight:.3g}"
+    claims = sorted(max(i.weight, i.stale_weight) for i in infos if max(i.weight, i.stale_weight) > 0)
+    if len(claims) >= 2:
+        median = claims[(len(claims) - 1) // 2]
+        for i, info in enumerate(infos):
+            claim = max(info.weight, info.stale_weight)
+            if i not in found and claim > ratio * median:
+                found[i] = f"claimed weight {claim:.3g} is over {ratio:g}x the group's median {median:.3g}"
+    return found
+
+
 def plan_group(
-    peer_ids: Sequence[PeerID], gathered: Sequence[bytes], me: PeerID, *, min_group_size: int
+    peer_ids: Sequence[PeerID],
+    gathered: Sequence[bytes],
+    me: PeerID,
+    *,
+    min_group_size: int,
+    max_weight: float = MAX_WEIGHT,
+    weight_ratio: float = math.inf,
+    allowed: frozenset[str] | None = None,
 ) -> GroupPlan:
     """Decide who averages with whom and in which layout, from the group's gathered metadata.
 
@@ -204,6 +237,9 @@ def plan_group(
     epoch; the others are refused (never average tensors of a different model or round). Because every
     compatible member compares against the same values, they all compute the same subset, and the all-reduce
     proceeds over it; a refused member, comparing against its own values, ends up in a different subset.
+    Members outside ``allowed`` and members claiming implausible weights (``implausible_weights``) are
+    refused too and listed in ``rejected``; every member must use the same ``max_weight``, ``weight_ratio``
+    and ``allowed`` for the plans to agree.
     """
     if len(peer_ids) != len(gathered) or me not in peer_ids:
         raise ValueError("group description is inconsistent")
@@ -218,13 +254,16 @@ def plan_group(
         raise ValueError(f"own metadata does not parse: {mine}")
     my_info = mine[2]
 
-    keep_ids, keep, refused = [], [], []
+    keep_ids, keep, refused, rejected = [], [], [], []
     for peer_id, entry in zip(peer_ids, decoded, strict=True):
         if isinstance(entry, str):
             refused.append((peer_id.to_base58(), f"malformed metadata: {entry}"))
             continue
         info = entry[2]
-        if info.run_id != my_info.run_id:
+        if allowed is not None and peer_id.to_base58() not in allowed:
+            refused.append((peer_id.to_base58(), "not in allowed_peers"))
+            rejected.append(refused[-1])
+        elif info.run_id != my_info.run_id:
             refused.append(
                 (peer_id.to_base58(), f"run id {info.run_id!r} differs from ours {my_info.run_id!r}")
             )
@@ -241,9 +280,20 @@ def plan_group(
             keep_ids.append(peer_id)
             keep.append(entry)
 
+    implausible = implausible_weights([info for _, _, info in keep], max_weight, weight_ratio)
+    for index in sorted(implausible):
+        refused.append((keep_ids[index].to_base58(), implausible[index]))
+        rejected.append(refused[-1])
+    keep_ids = [p for i, p in enumerate(keep_ids) if i not in implausible]
+    keep = [e for i, e in enumerate(keep) if i not in implausible]
+
     fresh_total = math.fsum(info.weight for _, _, info in keep if info.has_fresh)
     skip_reason = None
-    if len(keep_ids) < min_group_size:
+    if me not in keep_ids:
+        skip_reason = "this peer was refused by its own group: " + next(
+            (reason for peer, reason in refused if peer == me.to_base58()), "incompatible"
+        )
+    elif len(keep_ids) < min_group_size:
         skip_reason = f"only {len(keep_ids)} compatible member(s), fewer than min_group_size={min_group_size}"
     elif all(mode == AveragingMode.CLIENT for _, mode, _ in keep):
         skip_reason = "every compatible member is a client; nobody can aggregate"
@@ -262,4 +312,5 @@ def plan_group(
         with_stale=any(info.has_stale for _, _, info in keep),
         fresh_weight_total=fresh_total,
         skip_reason=skip_reason,
+        rejected=tuple(rejected),
     )

@@ -31,12 +31,15 @@ from hivemind.p2p import P2PContext, PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
+from p2p_diloco.swarm.reducer import RobustPartReducer
+
 logger = logging.getLogger(__name__)
 
-FaultHook = Callable[[str], "bool | None"]
-"""Called inside the averager process at named stages: "allreduce_begin", "part_sent" (after the first part
-went to a remote reducer) and "confirm" (returning ``False`` there makes this member report an incomplete
-all-reduce). Tests use it to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
+FaultHook = Callable[[str], "bool | float | None"]
+"""Called inside the averager process at named stages: "allreduce_begin", "corrupt_input" (returning a number
+multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzantine sender), "part_sent"
+(after the first part went to a remote reducer) and "confirm" (returning ``False`` there makes this member
+report an incomplete all-reduce). Tests use it to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
 STATUS_SUFFIX = b".done"
 """Group id suffix of the completion check that follows each all-reduce."""
 
@@ -81,8 +84,25 @@ class CountingAllReduceRunner(AllReduceRunner):
     the vector after compression) until the runner is dropped.
     """
 
-    def __init__(self, *, counter: ByteCounter, fault_hook: FaultHook | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        counter: ByteCounter,
+        fault_hook: FaultHook | None = None,
+        robust: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
+        if robust is not None:
+            # replace hivemind's trusting reducer before any part can arrive (nothing awaited since __init__)
+            self.tensor_part_reducer.finished.set()  # retire it silently
+            parts = self.parts_for_local_averaging
+            self.tensor_part_reducer = RobustPartReducer(
+                tuple(part.shape for part in parts),
+                parts[0].dtype if parts else torch.float32,
+                [peer.to_base58() for peer in self.sender_peer_ids],
+                **robust,
+            )
         self._counter = counter
         self._fault_hook = fault_hook
         self._remote_parts_sent = 0
@@ -168,7 +188,7 @@ class CountingAllReduceRunner(AllReduceRunner):
         Checks: senders banned from the parts this peer reduced (their data is missing from those parts),
         values that fell back to our own because their reducer failed, and the runner ending with an error.
         """
-        reasons = []
+        reasons = list(getattr(self.tensor_part_reducer, "reduce_faults", []))
         if self.banned_senders:
             names = ", ".join(sorted(peer.to_base58()[-8:] for peer in self.banned_senders))
             reasons.append(
@@ -187,6 +207,12 @@ class CountingAllReduceRunner(AllReduceRunner):
         elif future.exception() is not None:
             reasons.append(f"all-reduce failed: {future.exception()!r}")
         return reasons
+
+
+    def rejected(self) -> dict[str, str]:
+        """``{sender id: reason}`` for senders whose data this peer's reducer dropped (see ``reducer``)."""
+        reducer = self.tensor_part_reducer
+        return reducer.rejected() if isinstance(reducer, RobustPartReducer) else {}
 
 
 class RunnerFactory(Protocol):

@@ -1,0 +1,79 @@
+"""Who may talk to this peer's averager: access control for private swarms and bans of hostile peers.
+
+hivemind's authorizer covers only the DHT; averaging and state download are separate RPCs served by the
+averager process. ``AccessControlMixin`` (mixed into ``RoundAverager``) checks ``context.remote_id`` at the
+start of each of them against ``SwarmConfig.allowed_peers`` and against the peers banned in this run.
+Matchmaking and planning check the same list (``group.plan_group``), and joiners skip donors outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class AccessControlMixin:
+    """Checks on the averager's RPC handlers; ``_allowed`` (``None``: anyone) and ``_banned`` are set by the
+    averager before its process starts."""
+
+    _allowed: frozenset[str] | None = None
+    _banned: dict[str, str]
+    peer_id: PeerID
+
+    def _ban(self, rejected: dict[str, str]) -> list[str]:
+        """Ban every rejected peer for the rest of the run; return them as "peer id: reason"."""
+        for peer, reason in rejected.items():
+            if peer not in self._banned and peer != self.peer_id.to_base58():
+                logger.warning("Banning %s for the rest of the run: %s", peer, reason)
+                self._banned[peer] = reason
+        return [f"{peer}: {reason}" for peer, reason in rejected.items()]
+
+    def _refuse(self, peer: PeerID) -> str | None:
+        """Why an RPC from ``peer`` is refused (not an allowed peer, banned), or ``None``."""
+        name = peer.to_base58()
+        if self._allowed is not None and name not in self._allowed:
+            return "not in allowed_peers"
+        if name in self._banned:
+            return f"banned: {self._banned[name]}"
+        return None
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's matchmaking, closed to peers that are not allowed or banned."""
+        reason = self._refuse(context.remote_id)
+        if reason is not None:
+            logger.info("Refused to group with %s: %s", context.remote_id, reason)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's part exchange, closed to peers that are not allowed (banned ones are handled by the
+        reducer, which drops their data but still answers, so the group's results stay identical)."""
+        if self._allowed is not None and context.remote_id.to_base58() not in self._allowed:
+            logger.warning("Refused all-reduce data from %s: not in allowed_peers", context.remote_id)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):  # type: ignore[misc]
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's state download, closed to peers that are not allowed or banned."""
+        reason = self._refuse(context.remote_id)
+        if reason is not None:
+            logger.warning("Refused a state download by %s: %s", context.remote_id, reason)
+            return
+        async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
+            yield message
+

@@ -1,0 +1,165 @@
+"""The reducer's side of the all-reduce: every received part is checked at the point of receipt, and the
+accepted parts are combined with the run's aggregation rule (``core.robust``).
+
+hivemind's ``TensorPartReducer`` adds each sender's part into a running sum as it arrives and trusts it
+blindly: one NaN, one wrong-shaped part or one huge vector spoils the average for the whole group. This
+reducer keeps every sender's copy of the current part (one part of ``part_size_bytes`` per sender, freed once
+the part is reduced) and only when all have arrived:
+
+1. drops parts that were rejected on arrival (wrong shape or dtype, NaN or infinite values, or a sender
+   banned earlier in this run);
+2. drops parts whose L2 norm is more than ``norm_factor`` times the median (``core.robust.norm_outliers``);
+3. combines the rest with ``mean``, ``trimmed-mean`` or ``centered-clip``, and rescales so that the result is
+   the weighted mean over the accepted senders (see ``_rescale``).
+
+A rejected sender is not cut off: it keeps streaming and receives the same averaged bytes as everyone else,
+so every member (even a buggy one) ends the round with identical values; its data just is not in them.
+Rejections are reported back to the averager, which bans the sender for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from hivemind.averaging.partition import BannedException, TensorPartReducer
+
+from p2p_diloco.core.robust import aggregate, norm_outliers
+
+logger = logging.getLogger(__name__)
+
+
+def check_part(part: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> str | None:
+    """Why a received part is unacceptable, or ``None``."""
+    if tuple(part.shape) != tuple(shape):
+        return f"part of shape {tuple(part.shape)} where {tuple(shape)} was expected"
+    if part.dtype != dtype:
+        return f"part of dtype {part.dtype} where {dtype} was expected"
+    if not bool(torch.isfinite(part).all()):
+        return "part holds NaN or infinite values"
+    return None
+
+
+class RobustPartReducer(TensorPartReducer):
+    """``TensorPartReducer`` with validation at receipt, norm screening and a robust aggregation rule.
+
+    :param part_shapes: shapes of the parts this peer reduces (from hivemind's partitioning).
+    :param part_dtype: the dtype every part must arrive in (that of our own input parts).
+    :param sender_ids: base58 ids of the senders, in hivemind's sender order.
+    :param sender_weights: each sender's fresh weight in the plan (0 for members with only stale work); the
+      pre-scaled inputs are renormalised by the accepted ones, see ``_rescale``.
+    :param method: one of ``core.robust.AGGREGATIONS``.
+    :param norm_factor: ``SwarmConfig.norm_outlier_factor``; 0 disables the norm screen.
+    :param banned: senders banned earlier in this run; all their parts are dropped.
+    """
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        part_dtype: torch.dtype,
+        sender_ids: Sequence[str],
+        sender_weights: Sequence[float],
+        *,
+        method: str,
+        norm_factor: float,
+        banned: frozenset[str] = frozenset(),
+    ):
+        if len(sender_ids) != len(sender_weights):
+            raise ValueError("one weight per sender is needed")
+        self.part_dtype = part_dtype
+        self.sender_ids = tuple(sender_ids)
+        self.sender_weights = tuple(float(w) for w in sender_weights)
+        self.method, self.norm_factor = method, norm_factor
+        self.rejections: dict[int, str] = {
+            i: "banned earlier in this run" for i, peer in enumerate(sender_ids) if peer in banned
+        }
+        self.reduce_faults: list[str] = []
+        self._received: dict[int, torch.Tensor] = {}
+        super().__init__(part_shapes, len(sender_ids))
+
+    def reset_accumulators(self) -> None:
+        if self.current_part_index >= self.num_parts - 1:
+            self.finalize()
+            return
+        self.current_part_index += 1
+        self.current_part_accumulated_from = 0
+        self.current_part_future = asyncio.Future()
+        self.accumulator = None  # hivemind's finalize() deletes it; parts are kept in _received instead
+        self.num_current_senders = sum(
+            self.current_part_index < failed_index for failed_index in self.sender_failed_after
+        )
+        self._received = {}
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """hivemind's contract: wait for parts ``< part_index``, add ours, return the reduced part."""
+        if not 0 <= sender_index < self.num_senders or not 0 <= part_index < self.num_parts:
+            raise BannedException(f"sender {sender_index} sent part {part_index} out of range")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise BannedException("the reducer finished before this part arrived")
+        if self.sender_failed_after[sender_index] != math.inf:
+            raise BannedException(f"sender {sender_index} was banned in background")
+        if part_index != self.current_part_index:
+            raise BannedException(f"sender {sender_index} sent part {part_index} twice")
+        future = self.current_part_future
+        if sender_index not in self.rejections:
+            problem = check_part(tensor_part, self.part_shapes[part_index], self.part_dtype)
+            if problem is not None:
+                self.rejections[sender_index] = problem
+            else:
+                self._received[sender_index] = tensor_part
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self) -> None:
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        accepted = {i: t for i, t in self._received.items() if i not in self.rejections}
+        order = sorted(accepted)
+        for position in norm_outliers([accepted[i] for i in order], self.norm_factor):
+            index = order[position]
+            self.rejections[index] = f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
+            del accepted[index]
+        self.current_part_future.set_result(self._reduce(accepted))
+        self._received = {}
+        self.reset_accumulators()
+
+    def _reduce(self, accepted: dict[int, torch.Tensor]) -> torch.Tensor:
+        shape = self.part_shapes[self.current_part_index]
+        if not accepted:
+            self.reduce_faults.append(f"part {self.current_part_index}: no acceptable contribution")
+            return torch.zeros(shape, dtype=self.part_dtype)
+        order = sorted(accepted)
+        combined = aggregate([accepted[i] for i in order], self.method)
+        scale = self._rescale(order)
+        if scale is None:
+            self.reduce_faults.append(f"part {self.current_part_index}: every sender of fresh work was rejected")
+            return torch.zeros(shape, dtype=self.part_dtype)
+        return combined if scale == 1.0 else (combined.double() * scale).to(self.part_dtype)
+
+    def _rescale(self, accepted: Sequence[int]) -> float | None:
+        """Factor turning the aggregate of the accepted pre-scaled parts into the accepted senders' weighted
+        mean: inputs were scaled by ``n * w_k / W`` (``group.GroupPlan.local_scales``), so the mean over the
+        ``a`` accepted ones, times ``(a / n) * (W / W_accepted)``, is ``sum_accepted w_k x_k / W_accepted``."""
+        if len(accepted) == self.num_senders:
+            return 1.0
+        total = math.fsum(self.sender_weights)
+        kept = math.fsum(self.sender_weights[i] for i in accepted)
+        if not kept > 0:
+            return None
+        return (len(accepted) / self.num_senders) * (total / kept)
+
+    def rejected(self) -> dict[str, str]:
+        """``{sender id: reason}`` for every sender whose data this reducer dropped."""
+        return {self.sender_ids[i]: reason for i, reason in sorted(self.rejections.items())}

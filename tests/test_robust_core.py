@@ -1,0 +1,120 @@
+"""Robust aggregation math (core.robust) and the validating reducer (swarm.reducer), without a network."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from p2p_diloco.core.robust import aggregate, centered_clip, norm_outliers, trimmed_mean
+from p2p_diloco.swarm.group import MemberInfo, implausible_weights
+from p2p_diloco.swarm.reducer import RobustPartReducer
+
+
+def _honest(n: int, dim: int = 64, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(dim, generator=gen)
+    return [base + 0.1 * torch.randn(dim, generator=gen) for _ in range(n)]
+
+
+def test_every_method_is_the_mean_on_identical_inputs() -> None:
+    vectors = [torch.full((5,), 2.5)] * 4
+    for method in ("mean", "trimmed-mean", "centered-clip"):
+        torch.testing.assert_close(aggregate(vectors, method), torch.full((5,), 2.5))
+
+
+def test_robust_methods_bound_one_attacker_among_five_and_mean_does_not() -> None:
+    honest = _honest(4)
+    clean = torch.stack(honest).mean(0)
+    attacker = -20.0 * honest[0]
+    errors = {
+        method: float(torch.linalg.vector_norm(aggregate([*honest, attacker], method) - clean))
+        for method in ("mean", "trimmed-mean", "centered-clip")
+    }
+    scale = float(torch.linalg.vector_norm(clean))
+    assert errors["mean"] > 2.0 * scale  # the attack dominates the plain mean
+    assert errors["centered-clip"] < 0.2 * scale, errors
+    assert errors["trimmed-mean"] < 0.2 * scale, errors
+
+
+def test_centered_clip_equals_the_mean_when_nobody_is_far() -> None:
+    vectors = _honest(5)
+    result = centered_clip(vectors, tau=1e6)
+    torch.testing.assert_close(result, torch.stack(vectors).mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_trimmed_mean_rejects_impossible_trims() -> None:
+    with pytest.raises(ValueError, match="cannot trim"):
+        trimmed_mean(_honest(2), trim=1)
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        aggregate(_honest(2), "median-of-means")
+
+
+def test_norm_outliers_flag_only_the_huge_vector_and_need_three() -> None:
+    vectors = _honest(4) + [1000.0 * _honest(1, seed=3)[0]]
+    assert norm_outliers(vectors, 20.0) == [4]
+    assert norm_outliers(vectors[3:], 20.0) == []  # two vectors: no way to tell who is off
+    assert norm_outliers(vectors, 0.0) == []  # disabled
+
+
+def test_implausible_weights_are_found_by_cap_and_by_ratio() -> None:
+    def info(weight: float) -> MemberInfo:
+        return MemberInfo.for_round("run", "abcdef0123456789", 0, weight, 0.0, 0, True, False)
+
+    found = implausible_weights([info(100.0), info(120.0), info(5e9), info(1e6)], 1e8, 1000.0)
+    assert set(found) == {2, 3}
+    assert "max_round_weight" in found[2] and "median" in found[3]
+    assert implausible_weights([info(100.0), info(300.0)], 1e8, 1000.0) == {}
+
+
+def _reduce(parts: list[torch.Tensor], weights: list[float], **options: object) -> tuple[torch.Tensor, dict]:
+    async def run() -> tuple[torch.Tensor, dict]:
+        reducer = RobustPartReducer(
+            [parts[0].shape if parts[0].dim() else torch.Size([4])],
+            torch.float32,
+            [f"peer{i}" for i in range(len(parts))],
+            weights,
+            **{"method": "mean", "norm_factor": 20.0, **options},  # type: ignore[arg-type]
+        )
+        results = await asyncio.gather(
+            *(reducer.accumulate_part(i, 0, part) for i, part in enumerate(parts))
+        )
+        assert all(torch.equal(r, results[0]) for r in results)  # every sender gets the same values
+        return results[0], reducer.rejected()
+
+    return asyncio.run(run())
+
+
+def test_reducer_rejects_nan_wrong_shape_and_dtype_and_renormalises_the_rest() -> None:
+    # pre-scaled inputs of weights (1, 3, 2, 2, 2): member k sends n * w_k / W * x_k with n = 5, W = 10
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    weights = [1.0, 3.0, 2.0, 2.0, 2.0]
+    parts = [torch.full((4,), 5 * w / 10 * v) for v, w in zip(values, weights, strict=True)]
+    parts[2] = torch.full((4,), math.nan)
+    parts[3] = torch.zeros(5)
+    parts[4] = parts[4].double()
+    result, rejected = _reduce(parts, weights)
+    assert set(rejected) == {"peer2", "peer3", "peer4"}
+    assert "NaN" in rejected["peer2"] and "shape" in rejected["peer3"] and "dtype" in rejected["peer4"]
+    # the weighted mean of the accepted members only: (1 * 1 + 3 * 2) / (1 + 3)
+    torch.testing.assert_close(result, torch.full((4,), 7.0 / 4.0))
+
+
+def test_reducer_drops_banned_senders_and_norm_outliers() -> None:
+    parts = [torch.full((4,), 1.0), torch.full((4,), 1.2), torch.full((4,), 0.8), torch.full((4,), 1e6)]
+    result, rejected = _reduce(parts, [1.0] * 4, banned=frozenset({"peer1"}))
+    assert rejected["peer1"] == "banned earlier in this run"
+    assert "norm" in rejected["peer3"]
+    torch.testing.assert_close(result, torch.full((4,), 0.9))
+
+
+def test_reducer_with_centered_clip_outvotes_a_sign_flip_attack() -> None:
+    honest = [torch.full((4,), v) for v in (1.0, 1.1, 0.9, 1.05)]
+    parts = [*honest, torch.full((4,), -20.0)]
+    clipped, rejected = _reduce(parts, [1.0] * 5, method="centered-clip", norm_factor=0.0)
+    plain, _ = _reduce(parts, [1.0] * 5, method="mean", norm_factor=0.0)
+    assert rejected == {}
+    assert float((clipped - 1.0).abs().max()) < 0.3
+    assert float((plain - 1.0).abs().max()) > 4.0
