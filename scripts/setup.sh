@@ -32,7 +32,14 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "${PIP[@]}" install torch
   else
-    "${PIP[@]}" install "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    cpu_index=https://download.pytorch.org/whl/cpu
+    if .venv/bin/python -c "import urllib.request as u; u.urlopen('$cpu_index/', timeout=10)" 2>/dev/null; then
+      "${PIP[@]}" install "torch==2.13.0" --extra-index-url "$cpu_index"
+    else
+      # No route to PyTorch's index (a mirror-only network): take torch==2.13.0 from the configured
+      # indexes or find-links, which on such machines carry the CPU build.
+      "${PIP[@]}" install "torch==2.13.0"
+    fi
   fi
 fi
 "${PIP[@]}" install -e ".[dev]"
