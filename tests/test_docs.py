@@ -1,0 +1,241 @@
+"""Every command in the guides is exercised, and every shipped config and deployment file parses.
+
+How a command counts as exercised:
+
+- every ``run_peer``/``run_bootstrap`` command (also inside ``nice``, ``systemd-run``, ``docker run`` or a
+  systemd unit) is parsed here by the programs' real argument parser and config builder, so a renamed
+  flag or an invalid value in a guide fails this file;
+- the safe ones run for real here: the ``--help`` commands, and the README's local swarm (its bootstrap
+  command, then its preflight and the preflight with ``peers/peer.yaml``, on loopback);
+- commands that need hardware, root or the internet (CUDA installs, systemctl, docker, a real swarm) are
+  listed in ``COVERAGE`` with the test or script that runs the same code path, and each entry says why
+  that is the same path. A new command in a guide without an entry fails
+  ``test_every_guide_command_is_exercised``.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import re
+import shlex
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+from swarm_procs import env, wait_for_maddr
+
+from p2p_diloco.cli import run_bootstrap, run_peer
+from p2p_diloco.cli.common import make_parser, parse_config
+from p2p_diloco.cli.run_bootstrap import BootstrapConfig
+from p2p_diloco.config_loader import build
+from p2p_diloco.peer.config import PeerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDES = ["README.md", "peers/README.md", "bootstrap/README.md"]
+INSTALL_PREFIX = "/opt/p2p_diloco"
+"""Where the systemd units and the Dockerfile expect the repository; mapped to this checkout here."""
+EXAMPLE_ID = "Qmaf8sfvuGRsMGzoFTCDPqt474JGhnYTRWHuRJUwaKyVGV"
+
+# (pattern matched against the whole command, what exercises it). "here" means this file parses (and,
+# where marked in the test names, runs) the command with the real code.
+COVERAGE: list[tuple[str, str]] = [
+    # set-up: scripts/test.sh runs scripts/setup.sh before every suite; the CUDA index variant only
+    # changes pip's index URL, which needs a GPU host and the internet.
+    (r"bash scripts/setup\.sh", "scripts/test.sh"),
+    (r"TORCH_INDEX_URL=\S+ bash scripts/setup\.sh", "scripts/test.sh"),
+    (r"rm -rf \.venv", "scripts/setup.sh"),
+    (r"bash scripts/demo\.sh", "scripts/demo.sh"),
+    (r"bash scripts/test\.sh", "scripts/test.sh"),
+    (r"source \.venv/bin/activate", "scripts/setup.sh"),
+    (r"\.venv/bin/python -c .*torch.*", "tests/test_doctor.py::test_doctor_checks_each_initial_peer_on_loopback"),
+    # the CLIs: parsed here; the doctor runs here on loopback and in tests/test_doctor.py; training and
+    # bootstrap nodes run in the multi-peer tests (same programs, loopback addresses).
+    (r".*run_peer (doctor )?--help", "here"),
+    (r".*run_bootstrap --help", "here"),
+    (r".*(run_peer|p2p_diloco\.cli\.doctor) doctor .*|.*python -m p2p_diloco\.cli\.doctor .*",
+     "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
+    (r".*run_peer .*", "tests/test_peer_swarm.py::test_three_peers_train_fold_late_work_and_admit_a_joiner"),
+    (r".*run_bootstrap .*", "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
+    # deployment: the unit's ExecStart and the image's ENTRYPOINT/CMD are parsed here
+    # (test_deployment_files_parse); systemctl, journalctl, useradd and docker themselves need root or a
+    # GPU host and are not run by the suite.
+    (r"sudo (useradd|cp|systemctl|ufw) .*", "tests/test_docs.py::test_deployment_files_parse"),
+    (r"journalctl .*", "tests/test_docs.py::test_deployment_files_parse"),
+    (r"docker (build|stop) .*", "tests/test_docs.py::test_deployment_files_parse"),
+    # `docker run IMAGE ARGS` runs run_peer with ARGS (parsed here); without ARGS, the image's CMD
+    (r"docker run .* p2p-diloco-peer doctor .*", "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
+    (r"docker run .* p2p-diloco-peer", "tests/test_docs.py::test_deployment_files_parse"),
+    (r"chmod 600 \S+", "tests/test_swarm_dht.py"),
+    (r"git pull", "scripts/setup.sh"),
+]
+
+
+def guide_commands(path: Path) -> list[str]:
+    """Shell commands of the ``bash``/``sh`` fenced blocks: continuations joined, comments dropped."""
+    commands, block = [], None
+    for line in path.read_text().splitlines():
+        fence = re.match(r"^\s*```(\w*)", line)
+        if fence:
+            block = fence.group(1) if block is None else None
+            continue
+        if block in ("bash", "sh", "shell"):
+            text = line.strip()
+            if commands and commands[-1].endswith("\\"):
+                commands[-1] = commands[-1][:-1] + " " + text
+            elif text and not text.startswith("#"):
+                commands.append(text)
+    return [" ".join(shlex.split(c, comments=True)) for c in commands]
+
+
+def cli_args(command: str) -> tuple[str, list[str]] | None:
+    """The program (run_peer, run_bootstrap, doctor) and its arguments, unwrapped from env, nice, etc."""
+    words = shlex.split(command)
+    if words[:2] == ["docker", "run"]:
+        image = next(i for i, w in enumerate(words) if w == "p2p-diloco-peer")
+        return "run_peer", words[image + 1:]
+    for i, word in enumerate(words):
+        name = Path(word).name
+        if name in ("run_peer", "run_bootstrap"):
+            return name, words[i + 1:]
+        if word == "-m" and words[i + 1] == "p2p_diloco.cli.doctor":
+            return "run_peer", ["doctor", *words[i + 2:]]
+    return None
+
+
+def parse_cli(program: str, args: list[str]) -> object:
+    """Build the config exactly as the program would, without running it."""
+    args = [a.replace(INSTALL_PREFIX, str(ROOT)).replace("PEER_ID", EXAMPLE_ID) for a in args]
+    args = [str(ROOT / a) if a.endswith((".yaml", ".toml")) and not Path(a).is_absolute() else a for a in args]
+    if program == "run_peer" and args[:1] == ["doctor"]:
+        args = args[1:]
+    cls = PeerConfig if program == "run_peer" else BootstrapConfig
+    cfg, _ = parse_config(make_parser(program, "", cls), cls, args)
+    return cfg
+
+
+ALL_COMMANDS = [(doc, c) for doc in GUIDES for c in guide_commands(ROOT / doc)]
+
+
+def test_guides_have_commands() -> None:
+    for doc in GUIDES:
+        assert len([c for d, c in ALL_COMMANDS if d == doc]) >= 3, doc
+
+
+def test_every_guide_command_is_exercised() -> None:
+    missing = []
+    for doc, command in ALL_COMMANDS:
+        covers = [by for pattern, by in COVERAGE if re.fullmatch(pattern, command)]
+        if not covers:
+            missing.append(f"{doc}: {command}")
+            continue
+        for by in covers:
+            target, _, name = by.partition("::")
+            if target == "here":
+                continue
+            assert (ROOT / target).exists(), by
+            if name:
+                assert re.search(rf"^def {name}\(", (ROOT / target).read_text(), re.M), by
+    assert not missing, "commands in the guides that nothing exercises (add them to COVERAGE):\n" + "\n".join(
+        missing)
+
+
+@pytest.mark.parametrize("doc,command", [(d, c) for d, c in ALL_COMMANDS if cli_args(c) and "--help" not in c])
+def test_cli_command_parses_with_the_real_parser(doc: str, command: str) -> None:
+    program, args = cli_args(command)  # type: ignore[misc]
+    cfg = parse_cli(program, args)
+    if isinstance(cfg, PeerConfig) and "--initial-peers" in args:
+        assert cfg.swarm.initial_peers and all("/p2p/" in p for p in cfg.swarm.initial_peers)
+
+
+def test_help_commands_run(capsys: pytest.CaptureFixture[str]) -> None:
+    for main, argv, prog in ((run_peer.main, ["--help"], "run_peer"), (run_peer.main, ["doctor", "--help"],
+                             "run_peer doctor"), (run_bootstrap.main, ["--help"], "run_bootstrap")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: {prog}") and "--initial-peers" in out
+
+
+def test_shipped_config_files_parse() -> None:
+    peer_files = sorted((ROOT / "peers").glob("*.yaml")) + sorted((ROOT / "peers").glob("*.toml"))
+    boot_files = sorted((ROOT / "bootstrap").glob("*.yaml")) + sorted((ROOT / "bootstrap").glob("*.toml"))
+    assert peer_files and boot_files
+    for path in peer_files:
+        cfg = build(PeerConfig, None, str(path), environ={})
+        assert len(cfg.swarm.initial_peers) >= 2 and cfg.run.resume and cfg.run.checkpoint_dir
+        assert cfg.swarm.run_id == cfg.run.run_id
+    for path in boot_files:
+        cfg = build(BootstrapConfig, None, str(path), environ={})
+        assert cfg.identity_path and cfg.announce_maddrs and cfg.initial_peers
+        cfg.swarm()  # the swarm settings it starts with validate too
+
+
+def test_deployment_files_parse() -> None:
+    units = sorted(ROOT.glob("*/*.service"))
+    assert {u.parent.name for u in units} >= {"peers", "bootstrap"}
+    for unit in units:
+        parser = configparser.ConfigParser(strict=False, interpolation=None)
+        parser.optionxform = str  # type: ignore[assignment,method-assign]
+        parser.read_string(unit.read_text())
+        exec_start = parser["Service"]["ExecStart"]
+        assert exec_start.startswith(INSTALL_PREFIX + "/.venv/bin/"), unit
+        program, args = cli_args(exec_start)  # type: ignore[misc]
+        assert program == {"peers": "run_peer", "bootstrap": "run_bootstrap"}[unit.parent.name]
+        parse_cli(program, args)
+        assert "2" in parser["Service"]["RestartPreventExitStatus"].split()  # usage errors are not retried
+    dockerfile = (ROOT / "peers" / "Dockerfile").read_text()
+    entry = json.loads(re.search(r"^ENTRYPOINT (.+)$", dockerfile, re.M).group(1))
+    cmd = json.loads(re.search(r"^CMD (.+)$", dockerfile, re.M).group(1))
+    assert entry == ["run_peer"]
+    cfg = parse_cli("run_peer", [a.replace("/opt/p2p_diloco", INSTALL_PREFIX) for a in cmd])
+    assert cfg.run.resume and cfg.run.checkpoint_dir.startswith("/data/")
+    for copied in re.findall(r"^COPY (\S+)", dockerfile, re.M):
+        assert (ROOT / copied).exists(), copied
+
+
+def _readme_block_command(program: str, *must: str) -> list[str]:
+    found = [c for d, c in ALL_COMMANDS if d == "README.md" and program in c and all(m in c for m in must)]
+    assert found, (program, must)
+    return shlex.split(found[0])
+
+
+@pytest.mark.slow
+def test_readme_local_swarm_and_preflight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's local swarm: its bootstrap command, then its preflight, both for real on loopback.
+
+    Only the port (31337 may be taken on a shared machine) and the identity path are substituted. The
+    preflight with ``peers/peer.yaml`` follows, with the network flags pointed at loopback (the file's
+    initial peers are documentation addresses, which tests must not dial).
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    boot_cmd = [w.replace("31337", port).replace("bootstrap.id", str(tmp_path / "bootstrap.id"))
+                for w in _readme_block_command("run_bootstrap", "127.0.0.1")]
+    assert Path(boot_cmd[0]).name == "run_bootstrap"
+    out = open(tmp_path / "bootstrap.out", "w")
+    boot = subprocess.Popen([str(ROOT / boot_cmd[0]), *boot_cmd[1:]], stdout=out, stderr=subprocess.STDOUT,
+                            env=env(), cwd=ROOT)
+    try:
+        maddr = wait_for_maddr(tmp_path / "bootstrap.out", boot)
+        assert f"/tcp/{port}/p2p/" in maddr
+        peer_id = maddr.rsplit("/", 1)[1]
+        doctor_cmd = [w.replace("31337", port).replace("PEER_ID", peer_id)
+                      for w in _readme_block_command("run_peer", "doctor", "127.0.0.1")]
+        assert doctor_cmd[1] == "doctor"
+        assert run_peer.main(doctor_cmd[1:]) == 0
+        assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("result: ready to join")
+
+        code = run_peer.main(["doctor", "--config", str(ROOT / "peers" / "peer.yaml"), "--initial-peers", maddr,
+                              "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path",
+                              str(tmp_path / "peer.id"), "--checkpoint-dir", str(tmp_path / "ckpt")])
+        report = capsys.readouterr().out
+        assert code == 0, report
+        assert "small:" in report and "[ok  ] disk" in report
+    finally:
+        boot.terminate()
+        boot.wait(30)
+        out.close()
