@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 
+from p2p_diloco.peer.faults import FaultPlan, parse_faults
 from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.checksum import params_sha256
 from p2p_diloco.swarm.config import SwarmConfig
@@ -116,6 +117,7 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
         stale_weights=list(result.stale_weights),
         stalenesses=list(result.stalenesses),
         refused=list(result.refused),
+        rejected=list(result.rejected),
         fresh_mean=tensors_json(result.fresh_mean),
         stale_term=tensors_json(result.stale_term),
         fresh_sha=params_sha256(result.fresh_mean) if result.fresh_mean is not None else None,
@@ -162,6 +164,10 @@ def main() -> None:
     dht = start_dht(cfg)
     install_validators(dht, cfg.run_id)
     hook = FAULT_HOOKS.get(spec.get("fault", ""))
+    if spec.get("faults"):  # run_peer's fault syntax, e.g. "byzantine@0=-20" (p2p_diloco.peer.faults)
+        plan = FaultPlan(parse_faults(spec["faults"]), lambda action, epoch: print(f"FAULT FIRED {action}@{epoch}", flush=True))
+        plan.set_epoch(spec.get("epoch", 0))
+        hook = plan.averager_hook
     template = [torch.zeros(shape) for shape in spec["shapes"]]
     codecs = {
         "none": NoCompression(),

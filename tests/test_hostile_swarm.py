@@ -1,0 +1,76 @@
+"""Hostile peers in a real averaging round: each is rejected at the point of receipt, reported, and the honest
+peers get exactly the mean of their own contributions.
+
+Six real ``RoundAverager`` processes on loopback form one group: three honest ones (values 1, 2, 3) and
+- ``nan``: sends NaN in every part (fault ``nan_input@0``): every reducer drops its parts;
+- ``big``: sends its pseudo-gradient times 1000 (``byzantine@0=1000``): dropped by the norm screen;
+- ``liar``: claims a weight of 1e11 samples, over ``max_round_weight``: refused by every member's plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from swarm_helpers.harness import Swarm
+from swarm_helpers.peer import pattern
+
+from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SHAPES = [[6, 8], [10]]
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[Swarm]:
+    dht = start_dht(SwarmConfig.for_loopback())
+    swarm = Swarm(tmp_path, visible_maddrs(dht))
+    yield swarm
+    swarm.stop()
+    dht.shutdown()
+
+
+def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(swarm: Swarm) -> None:
+    cfg = dict(run_id="hostile", min_group_size=5, target_group_size=8, matchmaking_time_s=4.0,
+               matchmaking_timeout_s=40.0)
+    common = dict(role="average", shapes=SHAPES, fingerprint="abcdef0123456789", cfg=cfg)
+    honest = [swarm.spawn(f"h{v}", fresh=float(v), weight=1.0, **common) for v in (1, 2, 3)]
+    hostile = {
+        "nan": swarm.spawn("nan", fresh=1.0, weight=1.0, faults="nan_input@0", **common),
+        "big": swarm.spawn("big", fresh=1.0, weight=1.0, faults="byzantine@0=1000", **common),
+        "liar": swarm.spawn("liar", fresh=1.0, weight=1e11, **common),
+    }
+    swarm.wait_ready(timeout=120)
+    results = {p.name: swarm.result(p, timeout=120) for p in [*honest, *hostile.values()]}
+    ids = {name: peer.info["peer_id"] for name, peer in hostile.items()}
+    for name in ("nan", "big"):
+        assert f"FAULT FIRED {'nan_input' if name == 'nan' else 'byzantine'}@0" in hostile[name].log_tail(10**6)
+
+    # the liar refuses itself with the same rule everybody applies, so it takes no part
+    assert results["liar"]["outcome"] == "skipped" and "max_round_weight" in results["liar"]["reason"]
+    expected = torch.cat([t.reshape(-1) for t in pattern(SHAPES, 2.0)])  # mean of 1, 2 and 3
+    shas = set()
+    for peer in honest:
+        result = results[peer.name]
+        assert result["outcome"] == "averaged", result["reason"]
+        reasons = dict(entry.split(": ", 1) for entry in result["rejected"])
+        assert "max_round_weight" in reasons[ids["liar"]]
+        assert ids["liar"] not in result["contributors"]
+        got = torch.tensor([x for part in result["fresh_mean"] for x in part])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        shas.add(result["fresh_sha"])
+    assert len(shas) == 1
+    # every reducer that met the NaN or the scaled parts reported them; the group saw both
+    seen = {}
+    for peer in honest:
+        for entry in results[peer.name]["rejected"]:
+            peer_id, reason = entry.split(": ", 1)
+            seen.setdefault(peer_id, reason)
+    assert "NaN" in seen[ids["nan"]], seen
+    assert "norm" in seen[ids["big"]], seen
+    # the rejected senders still received the group's values: a buggy (not malicious) peer stays in sync
+    for name in ("nan", "big"):
+        assert results[name]["outcome"] == "averaged" and results[name]["fresh_sha"] in shas
