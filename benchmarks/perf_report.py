@@ -1,0 +1,209 @@
+"""Turn ``benchmarks/results/perf_*.json`` into the swarm-performance section of BENCHMARKS.md and PNG plots.
+
+    .venv/bin/python -m benchmarks.perf_report
+
+Only measured values are printed; a benchmark whose JSON is missing is listed as not run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import replace_section
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SECTION = "swarm-performance"
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"perf_{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _met(ok: bool) -> str:
+    return "yes" if ok else "no"
+
+
+def _plot(name: str, draw) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    draw(ax)
+    fig.tight_layout()
+    path = RESULTS / f"perf_{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"![{name}](benchmarks/results/{path.name})"
+
+
+def allreduce(d: dict[str, Any]) -> list[str]:
+    rows = d["rows"]
+    out = ["### All-reduce efficiency", "",
+           f"Real `RoundAverager` probes in separate namespaces, {rows[0]['nbytes'] / 1e6:.1f} MB fp32 "
+           f"pseudo-gradient, {d['rounds']} rounds each (median; the slowest peer per round). Bound = "
+           "2(N-1)/N x S x 8 / B. Target <= 1.25.", "",
+           "| peers | Mbit/s | bound (s) | measured (s, median) | all rounds (s) | measured / bound | met |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['peers']} | {r['rate_mbit']:g} | {r['bound_s']:.2f} | {r['median_s']:.2f} | "
+                   f"{', '.join(f'{s:.2f}' for s in r['seconds'])} | {r['ratio']:.2f} | {_met(r['ratio'] <= 1.25)} |")
+
+    def draw(ax):
+        labels = [f"N={r['peers']}\n{r['rate_mbit']:g} Mbit/s" for r in rows]
+        ax.bar(labels, [r["ratio"] for r in rows], color="tab:blue")
+        ax.axhline(1.25, color="tab:red", linestyle="--", label="target 1.25")
+        ax.axhline(1.0, color="gray", linestyle=":", label="bound")
+        ax.set_ylabel("measured / bound")
+        ax.legend()
+    return [*out, "", _plot("allreduce", draw)]
+
+
+def utilization(d: dict[str, Any]) -> list[str]:
+    out = ["### Compute utilization, blocking against eager", "",
+           f"Two real `run_peer` processes (tiny model, {d['local_steps']} inner steps per round, {d['rounds']} "
+           f"rounds) at {d['rate_mbit']:g} Mbit/s per peer. Utilization = inner-phase seconds / wall seconds "
+           "between round ends; median over both peers' rounds after the first. Target >= 97% with eager.", "",
+           "| overlap | median utilization | blocked on the network per round (s, median) | outcomes (peer 1) |",
+           "| --- | --- | --- | --- |"]
+    for run in d["runs"]:
+        blocked = [b for p in run["peers"] for b in p["blocked_s"][1:]]
+        out.append(f"| {run['mode']} | {100 * run['median_utilization']:.1f}% | "
+                   f"{statistics.median(blocked) if blocked else float('nan'):.2f} | "
+                   f"{', '.join(run['peers'][0]['outcomes'])} |")
+    eager = next(r for r in d["runs"] if r["mode"] == "eager")
+    none = next(r for r in d["runs"] if r["mode"] == "none")
+    out += ["", f"Blocking all-reduce cost {100 * (1 - none['median_utilization']):.0f}% of a round here; "
+            f"eager target met: {_met(eager['median_utilization'] >= 0.97)}."]
+
+    def draw(ax):
+        for run in d["runs"]:
+            ax.plot([100 * u for u in run["peers"][0]["utilization"]], marker="o", label=run["mode"])
+        ax.axhline(97, color="tab:red", linestyle="--", label="target 97%")
+        ax.set_xlabel("round")
+        ax.set_ylabel("utilization (%)")
+        ax.legend()
+    return [*out, "", _plot("utilization", draw)]
+
+
+def codecs(d: dict[str, Any]) -> list[str]:
+    conv = {}
+    path = RESULTS / "convergence.json"
+    if path.exists():
+        for run in json.loads(path.read_text())["runs"]:
+            conv[run.get("label", run["mode"])] = run["final_eval_loss"]
+    base_loss = conv.get("diloco")
+    none_bytes = next(r["bytes_sent_per_round"] for r in d["rows"] if r["codec"] == "none")
+    out = ["### Bytes per peer per round, by codec", "",
+           f"Two real `RoundAverager` probes averaging the tiny model's pseudo-gradient "
+           f"({d['rows'][0]['numel']:,} values) through hivemind; bytes counted from the serialized messages "
+           "each peer sent. Eval-loss cost from the simulator (`benchmarks/results/convergence.json`, same "
+           "codecs). Target: 4bit at 1/8 of fp32.", "",
+           "| codec | bytes sent per peer per round | / fp32 | simulator final eval loss | vs none |",
+           "| --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        label = "diloco" if r["codec"] == "none" else f"diloco-{r['codec']}"
+        loss = conv.get(label)
+        delta = f"{100 * (loss / base_loss - 1):+.2f}%" if loss is not None and base_loss else "not run"
+        out.append(f"| {r['codec']} | {r['bytes_sent_per_round']:,.0f} | {r['bytes_sent_per_round'] / none_bytes:.4f} | "
+                   f"{loss if loss is not None else 'not run'} | {delta} |")
+    four = next(r for r in d["rows"] if r["codec"] == "4bit")["bytes_sent_per_round"] / none_bytes
+    out += ["", f"4bit / fp32 = {four:.4f} (1/8 = 0.125): met {_met(four <= 0.13)} (4 bits plus one 16-bit scale "
+            "per 128 values is 4.125/32 = 0.1289 before message headers)."]
+    return out
+
+
+def joiner(d: dict[str, Any]) -> list[str]:
+    ratio = d["transfer_s"] / d["bound_s"]
+    return ["### Joiner ready time", "",
+            f"A third `run_peer` joins a running 2-peer swarm at {d['rate_mbit']:g} Mbit/s. State = fp32 parameters "
+            f"+ outer momentum = {d['state_bytes'] / 1e6:.2f} MB; transfer bound {d['bound_s']:.2f} s. Target: "
+            "1.5x the bound or less.", "",
+            "| spawn to ready (s) | startup of a fresh peer, no download (s) | ready minus startup (s) | "
+            "/ bound | spawn to first contribution (s) | how it started |",
+            "| --- | --- | --- | --- | --- | --- |",
+            f"| {d['ready_s']:.1f} | {', '.join(f'{s:.1f}' for s in d['fresh_startup_s'])} | {d['transfer_s']:.1f} | "
+            f"{ratio:.2f} | {d['first_contribution_s']:.1f} | {d['how']} |", "",
+            f"Spawn to ready / bound = {d['ready_s'] / d['bound_s']:.2f}; target on the transfer "
+            f"(ready minus startup) met: {_met(ratio <= 1.5)}."]
+
+
+def hetero(d: dict[str, Any]) -> list[str]:
+    runs = {r["mode"]: r for r in d["runs"]}
+    sync, dylu = runs["sync"], runs["dylu"]
+    target = sync["peers"]["peer1"]["curve"][-1][1]
+    reach = next((t for t, loss in dylu["peers"]["peer1"]["curve"] if loss <= target), None)
+    ratio = reach / sync["peers"]["peer1"]["curve"][-1][0] if reach is not None else None
+    out = ["### Heterogeneous peers", "",
+           f"Three real `run_peer` processes; peer 3 sleeps {d['slow_step_delay_s']} s after every inner step "
+           f"({d['rounds']} rounds, H = {d['local_steps']}). Synchronous waiting: every peer runs H steps and "
+           "matchmaking holds the group until all three joined (`--min-local-steps H --target-group-size 3`, "
+           "long `--matchmaking-time-s`). DyLU + folding: the defaults (slow peers run fewer steps, late work "
+           "is folded into a later round).", "",
+           "| mode | measured slowdown of peer 3 | swarm tokens/s | wall (s) | final eval loss (peer 1) |",
+           "| --- | --- | --- | --- | --- |"]
+    for run in (sync, dylu):
+        out.append(f"| {run['mode']} | {run['slowdown']:.2f}x | {run['tokens_per_s']:.0f} | {run['wall_s']:.1f} | "
+                   f"{run['peers']['peer1']['curve'][-1][1]:.4f} |")
+    out += ["", (f"DyLU reached synchronous waiting's final eval loss {target:.4f} after {reach:.1f} s: "
+                 f"{ratio:.2f}x its wall time (target <= 0.8): met {_met(ratio <= 0.8)}.") if ratio is not None
+            else f"DyLU never reached synchronous waiting's final eval loss {target:.4f}: target not met."]
+
+    def draw(ax):
+        for run in (sync, dylu):
+            t, loss = zip(*run["peers"]["peer1"]["curve"], strict=True)
+            ax.plot(t, loss, marker="o", label=run["mode"])
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("eval loss (peer 1)")
+        ax.legend()
+    return [*out, "", _plot("hetero", draw)]
+
+
+def scale(d: dict[str, Any]) -> list[str]:
+    out = ["### Scale on this machine", "",
+           f"N real `run_peer` processes (tiny model, {d['local_steps']} inner steps, {d['rounds']} rounds) in one "
+           "swarm, each in its own namespace without a bandwidth limit.", "",
+           "| peers | finished | median round (s) | largest group | median group |", "| --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        out.append(f"| {r['peers']} | {r['finished']}/{r['peers']} | {r['median_round_s']:.1f} | {r['max_group']} | "
+                   f"{r['median_group']} |")
+
+    def draw(ax):
+        ax.plot([r["peers"] for r in d["rows"]], [r["median_round_s"] for r in d["rows"]], marker="o")
+        ax.set_xlabel("peers")
+        ax.set_ylabel("median round time (s)")
+    return [*out, "", _plot("scale", draw)]
+
+
+SECTIONS = dict(allreduce=allreduce, utilization=utilization, codecs=codecs, joiner=joiner, hetero=hetero,
+                scale=scale)
+
+
+def main() -> None:
+    parts = ["`benchmarks/perf_swarm.py` (as root) on the namespace testbed `benchmarks/testbed.py`; tables by "
+             "`benchmarks/perf_report.py`. Every peer runs in its own network namespace behind `tc tbf` in both "
+             "directions; netem is not available in this kernel, so no latency was added."]
+    hw = None
+    for name, render in SECTIONS.items():
+        d = _load(name)
+        if d is None:
+            parts += [f"### {name}", "", "Not run yet."]
+            continue
+        hw = hw or d["hardware"]
+        parts += ["", *render(d)]
+    if hw:
+        parts.insert(1, f"\nHardware: {hw['cpu']}, {hw['cores']} cores, kernel {hw['kernel']}, Python {hw['python']}; "
+                        f"the machine was shared with other test and benchmark runs (1-minute load average "
+                        f"{hw['load_avg_1m']:.1f} at the end of a benchmark), so absolute seconds are noisy and "
+                        "the ratios are the numbers to read.")
+    replace_section(ROOT / "BENCHMARKS.md", SECTION, "\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()

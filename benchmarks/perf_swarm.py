@@ -1,0 +1,287 @@
+"""Swarm performance benchmarks on the emulated internet (benchmarks/testbed.py); run as root.
+
+    sudo .venv/bin/python -m benchmarks.perf_swarm all        # or one of: allreduce utilization codecs
+                                                               #            joiner hetero scale
+    .venv/bin/python -m benchmarks.perf_report                # tables into BENCHMARKS.md, PNG plots
+
+Each benchmark writes ``benchmarks/results/perf_<name>.json`` with the hardware and every measured value.
+Every process is a real part: ``RoundAverager`` probes (benchmarks/perf_probe.py) or the real ``run_peer``,
+each in its own network namespace behind a ``tc tbf`` rate limit. Ratios against the link's bound are the
+headline numbers because they stay meaningful on a loaded machine; absolute seconds are noisy there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.testbed import (
+    Testbed,
+    TestbedError,
+    install_signal_teardown,
+    missing_requirements,
+    start_swarm,
+    wait_for_maddr,
+    wait_peers,
+)
+
+logger = logging.getLogger("perf_swarm")
+RESULTS = Path(__file__).resolve().parent / "results"
+WORK = Path(os.environ.get("PERF_WORKDIR", "/tmp/p2p_diloco_perf"))
+LAN_MBIT = 1000.0  # the "no bandwidth limit" runs: far above what two cores can push
+PEER_BASE = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--inner-lr", "2e-3", "--warmup-steps", "5",
+             "--eval-batches", "4", "--request-timeout-s", "2", "--next-chunk-timeout-s", "30",
+             "--allreduce-timeout-s", "120", "--state-download-timeout-s", "120", "--progress-ttl-s", "60"]
+
+
+def hardware() -> dict[str, Any]:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return dict(machine=platform.machine(), cpu=model, cores=os.cpu_count(), load_avg_1m=os.getloadavg()[0],
+                python=platform.python_version(), kernel=platform.release())
+
+
+def save(name: str, payload: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = dict(payload, hardware=hardware(), finished_unix=time.time())
+    (RESULTS / f"perf_{name}.json").write_text(json.dumps(payload, indent=1))
+    logger.info("wrote %s", RESULTS / f"perf_{name}.json")
+
+
+def read_log(path: Path, kind: str = "round") -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["event"] == kind]
+
+
+def _boot(bed: Testbed, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    proc = bed.popen(0, [sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path",
+                         str(out / "bootstrap.id"), "--host-maddrs", f"/ip4/{bed.ip(0)}/tcp/0", "--use-relay",
+                         "false"], stdout=open(out / "bootstrap.out", "w"), stderr=subprocess.STDOUT)
+    return wait_for_maddr(out / "bootstrap.out", proc)
+
+
+def _probe_group(bed: Testbed, out: Path, maddr: str, n: int, tag: str, *extra: str,
+                 timeout: float = 400) -> list[dict[str, Any]]:
+    procs = []
+    for i in range(1, n + 1):
+        procs.append(bed.popen(i, [sys.executable, "-m", "benchmarks.perf_probe", "--ip", bed.ip(i),
+                                   "--initial-peers", maddr, "--group", str(n), "--run-id", tag,
+                                   "--out", str(out / f"{tag}-{i}.json"), *extra],
+                               stdout=open(out / f"{tag}-{i}.out", "w"), stderr=subprocess.STDOUT,
+                               env=dict(os.environ, OMP_NUM_THREADS="1")))
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    results = []
+    for i in range(1, n + 1):
+        path = out / f"{tag}-{i}.json"
+        if not path.exists():
+            raise TestbedError(f"probe {tag}-{i} wrote no result: {(out / f'{tag}-{i}.out').read_text()[-1500:]}")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- benchmarks
+
+
+def bench_allreduce(rounds: int = 3) -> None:
+    """Measured all-reduce seconds / the bandwidth bound 2(N-1)/N * S * 8 / B, ~22 MB fp32 pseudo-gradient."""
+    rows = []
+    for n in (2, 4):
+        for rate in (20.0, 100.0):
+            with Testbed(n + 1, rate) as bed:
+                out = WORK / f"allreduce-{n}-{int(rate)}"
+                maddr = _boot(bed, out)
+                peers = _probe_group(bed, out, maddr, n, f"ar{n}x{int(rate)}", "--rounds", str(rounds))
+            nbytes = peers[0]["nbytes"]
+            bound = 2 * (n - 1) / n * nbytes * 8 / (rate * 1e6)
+            per_round = [max(p["rounds"][r]["allreduce_seconds"] for p in peers) for r in range(rounds)]
+            ok = all(p["rounds"][r]["outcome"] == "averaged" for p in peers for r in range(rounds))
+            rows.append(dict(peers=n, rate_mbit=rate, nbytes=nbytes, bound_s=bound, seconds=per_round,
+                             median_s=statistics.median(per_round), ratio=statistics.median(per_round) / bound,
+                             all_averaged=ok, bytes_sent=[p["rounds"][-1]["bytes_sent"] for p in peers]))
+            logger.info("all-reduce N=%d %g Mbit/s: %s", n, rate, rows[-1])
+    save("allreduce", dict(rounds=rounds, rows=rows, netem=False))
+
+
+def _utilization_run(mode: str, rate: float, steps: int, rounds: int) -> dict[str, Any]:
+    out = WORK / f"util-{mode}"
+    args = [*PEER_BASE, "--run-id", f"util-{mode}", "--overlap", mode, "--local-steps", str(steps),
+            "--min-local-steps", str(steps), "--max-rounds", str(rounds), "--eval-every", "0",
+            "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "60"]
+    with Testbed(3, rate) as bed:
+        procs = start_swarm(bed, out, 2, args)
+        codes = wait_peers(procs, 600)
+    per_peer = []
+    for name in ("peer1", "peer2"):
+        rows = read_log(out / f"{name}.jsonl")
+        starts = read_log(out / f"{name}.jsonl", "eval")  # the initial evaluation ends right before round 0
+        times = [starts[0]["time"]] + [r["time"] for r in rows] if starts else [r["time"] for r in rows]
+        util = [r["inner_seconds"] / (t1 - t0) for r, t0, t1 in zip(rows, times, times[1:], strict=False)]
+        per_peer.append(dict(outcomes=[r["outcome"] for r in rows], utilization=util,
+                             inner_s=[r["inner_seconds"] for r in rows], blocked_s=[r["blocked_seconds"] for r in rows],
+                             allreduce_s=[r["allreduce_seconds"] for r in rows]))
+    # Round 0 has no previous all-reduce to hide, and eager's last all-reduce finishes after training ends.
+    steady = [u for p in per_peer for u in p["utilization"][1:]]
+    return dict(mode=mode, codes=codes, peers=per_peer, median_utilization=statistics.median(steady) if steady
+                else float("nan"))
+
+
+def bench_utilization(rate: float = 10.0, steps: int = 150, rounds: int = 5) -> None:
+    """Compute utilization (inner seconds / wall seconds per round), blocking against eager, 2 peers."""
+    runs = [_utilization_run(mode, rate, steps, rounds) for mode in ("none", "eager")]
+    save("utilization", dict(rate_mbit=rate, local_steps=steps, rounds=rounds, runs=runs))
+
+
+def bench_codecs(rate: float = 100.0) -> None:
+    """Bytes each peer sends per round with every codec (tiny model's pseudo-gradient, 2 peers)."""
+    rows = []
+    with Testbed(3, rate) as bed:
+        out = WORK / "codecs"
+        maddr = _boot(bed, out)
+        for codec in ("none", "fp16", "int8", "4bit"):
+            peers = _probe_group(bed, out, maddr, 2, f"codec-{codec}", "--model", "tiny", "--rounds", "2",
+                                 "--compression", codec)
+            sent = [r["bytes_sent"] for p in peers for r in p["rounds"]]
+            rows.append(dict(codec=codec, numel=peers[0]["numel"], fp32_bytes=peers[0]["nbytes"],
+                             bytes_sent_per_round=statistics.median(sent), samples=sent))
+    save("codecs", dict(rate_mbit=rate, rows=rows))
+
+
+def bench_joiner(rate: float = 10.0) -> None:
+    """A third peer joins a running 2-peer swarm: spawn to ready (state downloaded) against the transfer bound."""
+    out = WORK / "joiner"
+    args = [*PEER_BASE, "--run-id", "joiner", "--local-steps", "40", "--min-local-steps", "5",
+            "--eval-every", "0", "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "60"]
+    with Testbed(4, rate) as bed:
+        spawned = time.time()
+        procs = start_swarm(bed, out, 2, [*args, "--max-rounds", "6"])
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(r["new_epoch"] >= 2 for r in read_log(out / "peer1.jsonl")):
+            time.sleep(0.5)
+        maddr = wait_for_maddr(out / "bootstrap.out", procs["bootstrap"])
+        join_spawned = time.time()
+        procs["joiner"] = bed.popen(3, [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs",
+                                        f"/ip4/{bed.ip(3)}/tcp/0", "--initial-peers", maddr, "--use-relay", "false",
+                                        "--log-file", str(out / "joiner.jsonl"), *args, "--max-rounds", "2"],
+                                    stdout=open(out / "joiner.out", "w"), stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+        codes = wait_peers(procs, 400)
+    fresh_ready = [read_log(out / f"peer{i}.jsonl", "start")[0]["time"] - spawned for i in (1, 2)]
+    start = read_log(out / "joiner.jsonl", "start")
+    rounds = read_log(out / "joiner.jsonl")
+    params = 836_736  # tiny preset; the state is fp32 parameters plus fp32 outer momentum
+    state_bytes = 2 * params * 4
+    bound = state_bytes * 8 / (rate * 1e6)
+    ready = start[0]["time"] - join_spawned if start else float("nan")
+    first = next((r["time"] - join_spawned for r in rounds if r["outcome"] in ("averaged", "folded_late")
+                  and r["group_size"] >= 2), float("nan"))
+    save("joiner", dict(rate_mbit=rate, state_bytes=state_bytes, bound_s=bound, how=start[0]["how"] if start else "",
+                        ready_s=ready, fresh_startup_s=fresh_ready, first_contribution_s=first,
+                        transfer_s=ready - statistics.median(fresh_ready), codes=codes))
+
+
+def _hetero_run(mode: str, slow_s: float, rounds: int, steps: int) -> dict[str, Any]:
+    out = WORK / f"hetero-{mode}"
+    common = [*PEER_BASE, "--run-id", f"het-{mode}", "--local-steps", str(steps), "--max-rounds", str(rounds),
+              "--matchmaking-timeout-s", "120"]
+    if mode == "sync":
+        # Synchronous waiting: everyone runs H steps, and matchmaking holds the group open until all three are in.
+        extra = ["--min-local-steps", str(steps), "--target-group-size", "3", "--matchmaking-time-s", "60"]
+    else:
+        extra = ["--min-local-steps", "5", "--matchmaking-time-s", "3"]
+    slow = ",".join(f"slow_steps@{e}={slow_s}" for e in range(rounds + 8))
+    with Testbed(4, LAN_MBIT) as bed:
+        began = time.time()
+        procs = start_swarm(bed, out, 3, [*common, *extra], peer_env={3: {"P2P_DILOCO_FAULTS": slow}})
+        codes = wait_peers(procs, 600)
+    peers = {}
+    for i in (1, 2, 3):
+        rows = read_log(out / f"peer{i}.jsonl")
+        evals = read_log(out / f"peer{i}.jsonl", "eval")
+        peers[f"peer{i}"] = dict(
+            curve=[(e["time"] - began, e["eval_loss"]) for e in evals]
+            + [(r["time"] - began, r["eval_loss"]) for r in rows if r.get("eval_loss") is not None],
+            steps=[r["inner_steps"] for r in rows], inner_s=[r["inner_seconds"] for r in rows],
+            outcomes=[r["outcome"] for r in rows], end=rows[-1]["time"] - began if rows else float("nan"))
+    tokens = sum(sum(p["steps"]) for p in peers.values()) * 4 * 64
+    wall = max(p["end"] for p in peers.values())
+    speed = [sum(p["steps"]) / sum(p["inner_s"]) for p in peers.values()]
+    return dict(mode=mode, codes=codes, peers=peers, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                steps_per_s=speed, slowdown=max(speed[:2]) / speed[2])
+
+
+def bench_hetero(slow_s: float = 0.12, rounds: int = 5, steps: int = 40) -> None:
+    """One peer ~2.5x slower: synchronous waiting against DyLU plus delayed folding."""
+    runs = [_hetero_run(mode, slow_s, rounds, steps) for mode in ("sync", "dylu")]
+    save("hetero", dict(slow_step_delay_s=slow_s, rounds=rounds, local_steps=steps, runs=runs))
+
+
+def bench_scale(sizes: tuple[int, ...] = (2, 4, 8), rounds: int = 3, steps: int = 20) -> None:
+    """The most training peers this machine runs in one swarm: round time against the number of peers."""
+    rows = []
+    for n in sizes:
+        out = WORK / f"scale-{n}"
+        args = [*PEER_BASE, "--run-id", f"scale{n}", "--local-steps", str(steps), "--min-local-steps", "5",
+                "--max-rounds", str(rounds), "--eval-every", "0", "--matchmaking-time-s", "3",
+                "--matchmaking-timeout-s", "90", "--startup-timeout-s", "60"]
+        with Testbed(n + 1, LAN_MBIT) as bed:
+            procs = start_swarm(bed, out, n, args)
+            codes = wait_peers(procs, 420)
+        logs = [read_log(out / f"peer{i}.jsonl") for i in range(1, n + 1)]
+        groups = [r["group_size"] for rows in logs for r in rows if r["outcome"] in ("averaged", "folded_late")]
+        round_s = [b["time"] - a["time"] for rows in logs for a, b in zip(rows, rows[1:], strict=False)]
+        rows.append(dict(peers=n, codes=codes, finished=sum(c == 0 for c in codes.values()),
+                         median_round_s=statistics.median(round_s) if round_s else float("nan"),
+                         max_group=max(groups, default=0), median_group=statistics.median(groups) if groups else 0,
+                         outcomes=[[r["outcome"] for r in rows] for rows in logs]))
+        logger.info("scale %d: %s", n, rows[-1])
+    save("scale", dict(rounds=rounds, local_steps=steps, rows=rows))
+
+
+BENCHES = dict(allreduce=bench_allreduce, utilization=bench_utilization, codecs=bench_codecs,
+               joiner=bench_joiner, hetero=bench_hetero, scale=bench_scale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="perf_swarm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="+", choices=[*BENCHES, "all"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = missing_requirements()
+    if problem:
+        print(f"perf_swarm: cannot run: {problem}", file=sys.stderr)
+        return 1
+    install_signal_teardown()
+    names = list(BENCHES) if "all" in args.names else args.names
+    try:
+        for name in names:
+            began = time.monotonic()
+            BENCHES[name]()
+            logger.info("%s took %.0f s", name, time.monotonic() - began)
+    except KeyboardInterrupt:
+        print("perf_swarm: interrupted; namespaces removed", file=sys.stderr)
+        return 130
+    except TestbedError as e:
+        print(f"perf_swarm: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
