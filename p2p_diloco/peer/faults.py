@@ -15,7 +15,9 @@ entries, optionally ``ACTION@EPOCH=VALUE``:
 
 Faults outside one peer (a partition, losing the bootstrap node) are driven by the tests themselves.
 
-Each fault that fires writes a ``fault`` event to the run log first, so a test can assert it fired.
+Each fault that fires writes a ``fault`` event to the run log first, so a test can assert it fired. A fault
+fires once (a skipped round is retried in the same epoch and must not meet the fault again), except
+``slow_steps``, which slows every inner step of its epoch.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class FaultPlan:
         self.record = record
         # Shared with the averager process (forked), whose hook needs the current epoch.
         self._epoch = mp.Value("q", 0, lock=False)
+        self._fired = mp.Array("b", max(1, len(faults)), lock=False)
         self._peer_pid = os.getpid()
 
     @classmethod
@@ -85,7 +88,12 @@ class FaultPlan:
         self._epoch.value = epoch
 
     def _find(self, action: str) -> Fault | None:
-        return next((f for f in self.faults if f.action == action and f.epoch == self._epoch.value), None)
+        for i, fault in enumerate(self.faults):
+            if fault.action == action and fault.epoch == self._epoch.value and not self._fired[i]:
+                if action != "slow_steps":
+                    self._fired[i] = 1
+                return fault
+        return None
 
     def before_allreduce(self) -> None:
         if self._find("kill_before_allreduce"):
@@ -105,9 +113,10 @@ class FaultPlan:
                 if fault:
                     self.record(action, self._epoch.value)
                     return fault.value if action == "byzantine" else math.nan
-        if stage == "part_sent" and self._find("slow_sender"):
+        slow = self._find("slow_sender") if stage == "part_sent" else None
+        if slow:
             self.record("slow_sender", self._epoch.value)
-            time.sleep(self._find("slow_sender").value)  # type: ignore[union-attr]
+            time.sleep(slow.value)
         if stage == "part_sent" and self._find("kill_during_allreduce"):
             self.record("kill_during_allreduce", self._epoch.value)
             os.kill(self._peer_pid, signal.SIGKILL)

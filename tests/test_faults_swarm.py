@@ -1,0 +1,106 @@
+"""Fault injection keyed by (peer, epoch) on real run_peer processes: one 3-peer run meets, in turn, a
+NaN-sending peer, a reducer that fails mid-way, a slow sender, the loss of the bootstrap node and a peer
+killed before its all-reduce.
+
+Each fault is checked for the issue's three properties: it fired (a ``fault`` event in the run log); every
+peer that reached an epoch through the swarm holds the same parameters (``params_sha256``); and every round
+either completed or was cleanly skipped within its deadline, with no work lost (a skipped round's samples
+are carried into the next round's weight). Kill during the all-reduce and ``--resume`` are covered in
+tests/test_peer_swarm.py.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SYNCED = ("averaged", "folded_late", "resynced")
+BATCH = 4  # swarm_procs.FAST's --batch-size: a round's own weight is BATCH x inner steps
+ROUND_BUDGET_S = 15 + 30 + 10  # matchmaking_timeout_s + allreduce_timeout_s (FAST) + the averager's grace
+
+
+def _own_weight(row: dict, peer_id: str) -> float:
+    return row["weights"][row["contributors"].index(peer_id)]
+
+
+def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> None:
+    boot, maddr = start_bootstrap(tmp_path)
+    try:
+        procs = {
+            "a": start_peer(tmp_path, "a", maddr, "--run-id", "f1", "--max-rounds", "6",
+                            faults="slow_sender@3=2"),
+            "b": start_peer(tmp_path, "b", maddr, "--run-id", "f1", "--max-rounds", "6",
+                            faults="fail_confirm@2"),
+            "c": start_peer(tmp_path, "c", maddr, "--run-id", "f1", "--max-rounds", "6",
+                            faults="nan_input@1,kill_before_allreduce@4"),
+        }
+        wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
+        boot.send_signal(signal.SIGKILL)  # the bootstrap node is lost for good
+        boot.wait(timeout=30)
+        lost_at = max(r["new_epoch"] for r in events(tmp_path, "a", "round"))
+        codes = wait_all(procs, 420)
+    finally:
+        if boot.poll() is None:
+            boot.kill()
+    assert codes["a"] == 0 and codes["b"] == 0, {n: tail(tmp_path, n) for n in "ab"}
+    assert codes["c"] == -signal.SIGKILL, tail(tmp_path, "c")
+
+    # 1. every fault fired, at its epoch
+    fired = {n: [(f["action"], f["epoch"]) for f in events(tmp_path, n, "fault")] for n in procs}
+    assert fired == {"a": [("slow_sender", 3)], "b": [("fail_confirm", 2)],
+                     "c": [("nan_input", 1), ("kill_before_allreduce", 4)]}, fired
+
+    ids = {n: events(tmp_path, n, "start")[0]["peer_id"] for n in procs}
+    rounds = {n: events(tmp_path, n, "round") for n in procs}
+
+    # 2. identical parameters wherever an epoch was reached through the swarm
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    for rows in rounds.values():
+        for r in rows:
+            if r["outcome"] in SYNCED:
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+    assert by_epoch and all(len(s) == 1 for s in by_epoch.values()), by_epoch
+
+    # 3. every round ended (averaged or cleanly skipped) within its deadline
+    for name, rows in rounds.items():
+        for r in rows:
+            assert r["outcome"] in (*SYNCED, "skipped"), r
+            assert r["wait_seconds"] + r["allreduce_seconds"] <= ROUND_BUDGET_S, (name, r)
+
+    # NaN from c at epoch 1: rejected at receipt, c banned; the round still averaged for the honest peers
+    first = {n: next(r for r in rounds[n] if r["epoch"] == 1) for n in "ab"}
+    reasons = [e for n in "ab" for e in first[n]["rejected"] if e.startswith(ids["c"])]
+    assert any("NaN" in e for e in reasons), first
+    assert all(first[n]["outcome"] in SYNCED for n in "ab"), first
+    banned_later = [e for n in "ab" for r in rounds[n] if r["epoch"] > 1 for e in r["rejected"]]
+    assert any(e.startswith(ids["c"]) and "banned" in e for e in banned_later), banned_later
+
+    # fail_confirm at b in epoch 2: nobody applied that round, and its samples were not lost
+    for name in "ab":
+        at2 = [r for r in rounds[name] if r["epoch"] == 2]
+        assert at2[0]["outcome"] == "skipped" and at2[0]["new_epoch"] == 2, at2
+        after = next(r for r in rounds[name] if r["epoch"] == 2 and r["outcome"] in SYNCED and r is not at2[0])
+        if after["outcome"] != "resynced":
+            expected = BATCH * (at2[0]["inner_steps"] + after["inner_steps"])
+            assert _own_weight(after, ids[name]) == pytest.approx(expected), (after, at2[0])
+
+    # the slow sender at epoch 3 (2 s, under next_chunk_timeout_s) made the round slower, not fail
+    at3 = next(r for r in rounds["a"] if r["epoch"] == 3 and r["outcome"] != "resynced")
+    assert at3["outcome"] in SYNCED and at3["allreduce_seconds"] >= 2.0, at3
+
+    # after the bootstrap node was lost and c was killed, a and b kept averaging together
+    later = [r for r in rounds["a"] if r["epoch"] > lost_at and r["outcome"] == "averaged"]
+    assert any(ids["b"] in r["contributors"] and r["group_size"] == 2 for r in later), rounds["a"]
+    assert max(r["new_epoch"] for r in rounds["a"]) >= 5
+
+    # the loss fell on the honest peers, NaN attack notwithstanding
+    for name in "ab":
+        start = events(tmp_path, name, "eval")[0]["eval_loss"]
+        last = [r["eval_loss"] for r in rounds[name] if r["eval_loss"] is not None][-1]
+        assert last < start - 1.0, (name, start, last)
