@@ -18,7 +18,7 @@ from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 OUTER_LR = 0.7
-ROUNDS = 5
+ROUNDS = 4
 EAGER = ["--run-id", "eager1", "--overlap", "eager", "--outer-momentum", "0", "--outer-lr", str(OUTER_LR),
          "--max-rounds", str(ROUNDS), "--local-steps", "40", "--min-local-steps", "40", "--eval-every", "0",
          "--keep-checkpoints", "10"]

@@ -182,7 +182,6 @@ def eager_round(session: SwarmSession, delta: list[torch.Tensor], weight: float,
     if session.faults:
         session.faults.before_allreduce()
     stale, stale_weight, staleness = session._late_for_round()
-    launched = overlap.launch(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight)
 
     result = got.result
     share = own_share(result, session.peer_id) if result is not None else 0.0
@@ -201,8 +200,10 @@ def eager_round(session: SwarmSession, delta: list[torch.Tensor], weight: float,
         session.state.apply_eager(delta, None, max(1, session.peers_visible), session.params)
         report.outcome = "own_only"
         report.reason = got.reason if result is None else "no own term stored for the previous round"
-    if not launched:
-        report.reason = (report.reason + "; " if report.reason else "") + (
-            f"the work of epoch {epoch} was not sent: the previous all-reduce still runs")
     session.continue_local, session.carry_weight = False, 0.0
     session._serve_state()
+    # Launch last: serving the new state talks to the averager process over the same pipe as the round's
+    # start, and a multiprocessing pipe must not be written from two threads at once.
+    if not overlap.launch(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight):
+        report.reason = (report.reason + "; " if report.reason else "") + (
+            f"the work of epoch {epoch} was not sent: the previous all-reduce still runs")
