@@ -129,3 +129,19 @@ def test_peer_bootstraps_from_a_plain_hivemind_dht_node(tmp_path: Path) -> None:
     assert code == 0, tail(tmp_path, "solo")
     (r,) = events(tmp_path, "solo", "round")
     assert r["outcome"] == "averaged" and r["group_size"] == 1 and r["new_epoch"] == 1
+
+
+def test_peer_of_another_model_is_refused(tmp_path: Path) -> None:
+    boot, maddr = start_bootstrap(tmp_path)
+    try:
+        a = start_peer(tmp_path, "a", maddr, "--run-id", "t4", "--max-rounds", "20")
+        wait_for(lambda: events(tmp_path, "a", "start"), 120, "a's start")
+        b = start_peer(tmp_path, "b", maddr, "--run-id", "t4", "--max-rounds", "1", "--model", "small")
+        code_b = wait_all({"b": b}, 120)["b"]
+    finally:
+        a.terminate()
+        boot.terminate()
+    assert code_b == 1
+    err = tail(tmp_path, "b")
+    assert "refused: the 1 peer(s) of run 't4' train a model with fingerprint" in err
+    assert not events(tmp_path, "b", "round")

@@ -67,6 +67,7 @@ from p2p_diloco.peer.faults import FaultPlan
 from p2p_diloco.swarm import (
     RoundAverager,
     StateServer,
+    SwarmStartError,
     download_state,
     fetch_progress,
     install_validators,
@@ -231,12 +232,28 @@ class SwarmSession:
             self.state.load_state_tensors(resume_tensors, resume_epoch)
             self.state.begin(self.params)
             how = f"resumed at epoch {resume_epoch}"
+        self._refuse_other_models()
         self._serve_state()
         self._publish_progress()
         swarm_epoch = self._swarm_epoch()
         if swarm_epoch is not None and swarm_epoch > self.epoch:
             how = self._join(swarm_epoch) or how
         return how
+
+    def _refuse_other_models(self) -> None:
+        """Stop with a clear message when this run's peers all train another model than ours.
+
+        Averaging could not mix them anyway (the fingerprint is part of the matchmaking key), but a peer
+        that silently trains alone is the worst outcome for a volunteer.
+        """
+        others = [r for r in fetch_progress(self.dht, self.cfg.swarm.run_id) if r.peer_id != self.peer_id]
+        if others and all(r.fingerprint != self.fingerprint for r in others):
+            theirs = sorted({r.fingerprint for r in others})
+            raise SwarmStartError(
+                f"refused: the {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} train a model with fingerprint "
+                f"{', '.join(theirs)}, ours is {self.fingerprint}. Use the run's --model, --seq-len and "
+                "--tokenizer, or another --run-id to start a separate run"
+            )
 
     def _join(self, swarm_epoch: int) -> str | None:
         """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear."""
