@@ -228,7 +228,8 @@ class StateServer:
         self._averager.set_state_provider(None)
 
 
-def _check_metadata(raw: bytes | None, averager: RoundAverager, n_params: int, n_opt: int) -> dict | str:
+def check_state_metadata(raw: bytes | None, run_id: str, fingerprint: str, n_params: int, n_opt: int) -> dict | str:
+    """A donor's state metadata if it is valid and describes our run and model, else the reason it is not."""
     if raw is None:
         return "donor sent no metadata (it is probably not sharing state)"
     try:
@@ -239,7 +240,7 @@ def _check_metadata(raw: bytes | None, averager: RoundAverager, n_params: int, n
         return "metadata lacks the expected fields"
     if meta["v"] != STATE_VERSION:
         return f"unsupported state version {meta['v']!r}"
-    if meta["run"] != averager.cfg.run_id or meta["fp"] != averager.fingerprint:
+    if meta["run"] != run_id or meta["fp"] != fingerprint:
         return f"state of run {str(meta['run'])[:64]!r} / model {str(meta['fp'])[:64]!r}, not ours"
     if isinstance(meta["ep"], bool) or not isinstance(meta["ep"], int) or not 0 <= meta["ep"] <= 10**9:
         return "invalid epoch"
@@ -298,7 +299,9 @@ def download_state(
                 peer, timeout=remaining, max_bytes=max_bytes, dtypes=dtypes, max_tensors=len(templates)
             )
             problem = None
-            meta = _check_metadata(raw, averager, len(template_params), len(template_opt))
+            meta = check_state_metadata(
+                raw, cfg.run_id, averager.fingerprint, len(template_params), len(template_opt)
+            )
             if isinstance(meta, str):
                 problem = meta
             else:
