@@ -5,12 +5,15 @@ How a command counts as exercised:
 - every ``run_peer``/``run_bootstrap`` command (also inside ``nice``, ``systemd-run``, ``docker run`` or a
   systemd unit) is parsed here by the programs' real argument parser and config builder, so a renamed
   flag or an invalid value in a guide fails this file;
-- the safe ones run for real here: the ``--help`` commands, and the README's local swarm (its bootstrap
-  command, then its preflight and the preflight with ``peers/peer.yaml``, on loopback);
+- the safe ones run for real here: the ``--help`` commands, the torch check, and the README's local swarm
+  (its bootstrap command, then its preflight and the preflight with ``peers/peer.yaml``, on loopback);
 - commands that need hardware, root or the internet (CUDA installs, systemctl, docker, a real swarm) are
   listed in ``COVERAGE`` with the test or script that runs the same code path, and each entry says why
-  that is the same path. A new command in a guide without an entry fails
-  ``test_every_guide_command_is_exercised``.
+  that is the same path;
+- system tools that run no code of this project (``git pull``, ``journalctl``, ``useradd``) are listed as
+  external, with the reason.
+
+A new command in a guide without an entry fails ``test_every_guide_command_is_exercised``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,36 +43,40 @@ INSTALL_PREFIX = "/opt/p2p_diloco"
 EXAMPLE_ID = "Qmaf8sfvuGRsMGzoFTCDPqt474JGhnYTRWHuRJUwaKyVGV"
 
 # (pattern matched against the whole command, what exercises it). "here" means this file parses (and,
-# where marked in the test names, runs) the command with the real code.
+# where marked in the test names, runs) the command with the real code; "external: ..." marks a command
+# that runs no code of this project (a system tool), with the reason it is left to that tool.
 COVERAGE: list[tuple[str, str]] = [
     # set-up: scripts/test.sh runs scripts/setup.sh before every suite; the CUDA index variant only
     # changes pip's index URL, which needs a GPU host and the internet.
     (r"bash scripts/setup\.sh", "scripts/test.sh"),
     (r"TORCH_INDEX_URL=\S+ bash scripts/setup\.sh", "scripts/test.sh"),
-    (r"rm -rf \.venv", "scripts/setup.sh"),
     (r"bash scripts/demo\.sh", "scripts/demo.sh"),
     (r"bash scripts/test\.sh", "scripts/test.sh"),
-    (r"source \.venv/bin/activate", "scripts/setup.sh"),
-    (r"\.venv/bin/python -c .*torch.*", "tests/test_doctor.py::test_doctor_checks_each_initial_peer_on_loopback"),
+    (r"\.venv/bin/python -c .*torch.*", "tests/test_docs.py::test_torch_check_command_runs"),
     # the CLIs: parsed here; the doctor runs here on loopback and in tests/test_doctor.py; training and
     # bootstrap nodes run in the multi-peer tests (same programs, loopback addresses).
-    (r".*run_peer (doctor )?--help", "here"),
-    (r".*run_bootstrap --help", "here"),
-    (r".*(run_peer|p2p_diloco\.cli\.doctor) doctor .*|.*python -m p2p_diloco\.cli\.doctor .*",
+    (r".*run_peer (doctor )?--help", "tests/test_docs.py::test_help_commands_run"),
+    (r".*run_bootstrap --help", "tests/test_docs.py::test_help_commands_run"),
+    (r".*run_peer doctor .*|.*python -m p2p_diloco\.cli\.doctor .*",
      "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
     (r".*run_peer .*", "tests/test_peer_swarm.py::test_three_peers_train_fold_late_work_and_admit_a_joiner"),
     (r".*run_bootstrap .*", "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
-    # deployment: the unit's ExecStart and the image's ENTRYPOINT/CMD are parsed here
-    # (test_deployment_files_parse); systemctl, journalctl, useradd and docker themselves need root or a
-    # GPU host and are not run by the suite.
-    (r"sudo (useradd|cp|systemctl|ufw) .*", "tests/test_docs.py::test_deployment_files_parse"),
-    (r"journalctl .*", "tests/test_docs.py::test_deployment_files_parse"),
+    # deployment: the units' ExecStart lines and the image's ENTRYPOINT/CMD are parsed here; systemd and
+    # docker themselves need root or a GPU host and are not run by the suite.
+    (r"sudo cp \S+\.service /etc/systemd/system/", "tests/test_docs.py::test_deployment_files_parse"),
+    (r"sudo systemctl .*", "tests/test_docs.py::test_deployment_files_parse"),
     (r"docker (build|stop) .*", "tests/test_docs.py::test_deployment_files_parse"),
     # `docker run IMAGE ARGS` runs run_peer with ARGS (parsed here); without ARGS, the image's CMD
     (r"docker run .* p2p-diloco-peer doctor .*", "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
     (r"docker run .* p2p-diloco-peer", "tests/test_docs.py::test_deployment_files_parse"),
-    (r"chmod 600 \S+", "tests/test_swarm_dht.py"),
-    (r"git pull", "scripts/setup.sh"),
+    # the fix the node prints for a readable key; the test checks the message and that 0600 is accepted
+    (r"chmod 600 \S+", "tests/test_swarm_dht.py::test_readable_identity_is_refused"),
+    (r"rm -rf \.venv", "external: removes the environment so that scripts/setup.sh recreates it"),
+    (r"source \.venv/bin/activate", "external: the venv's own activation script"),
+    (r"sudo useradd .*", "external: creates the service user (root only)"),
+    (r"sudo ufw allow \S+", "external: firewall rule (root only)"),
+    (r"journalctl .*", "external: reads the service's log"),
+    (r"git pull", "external: fetches the new version before scripts/setup.sh reinstalls it"),
 ]
 
 
@@ -86,7 +94,7 @@ def guide_commands(path: Path) -> list[str]:
                 commands[-1] = commands[-1][:-1] + " " + text
             elif text and not text.startswith("#"):
                 commands.append(text)
-    return [" ".join(shlex.split(c, comments=True)) for c in commands]
+    return [shlex.join(shlex.split(c, comments=True)) for c in commands]
 
 
 def cli_args(command: str) -> tuple[str, list[str]] | None:
@@ -132,7 +140,7 @@ def test_every_guide_command_is_exercised() -> None:
             continue
         for by in covers:
             target, _, name = by.partition("::")
-            if target == "here":
+            if target.startswith("external: "):
                 continue
             assert (ROOT / target).exists(), by
             if name:
@@ -157,6 +165,17 @@ def test_help_commands_run(capsys: pytest.CaptureFixture[str]) -> None:
         assert exit_info.value.code == 0
         out = capsys.readouterr().out
         assert out.startswith(f"usage: {prog}") and "--initial-peers" in out
+
+
+def test_torch_check_command_runs() -> None:
+    (command,) = [c for d, c in ALL_COMMANDS if c.startswith(".venv/bin/python -c")]
+    words = shlex.split(command)
+    result = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, timeout=120, env=env())
+    assert result.returncode == 0, result.stderr
+    version, available = result.stdout.split()
+    import torch
+
+    assert version == torch.__version__ and available == str(torch.cuda.is_available())
 
 
 def test_shipped_config_files_parse() -> None:
