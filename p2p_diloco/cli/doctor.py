@@ -42,12 +42,11 @@ REQUIREMENT_OWNERS = ("hivemind", "p2p-diloco")
 as a broken requirement of hivemind long before they show up as a crash)."""
 
 
-
 # ----------------------------------------------------------------------------------------------- packages
 
 
 def unmet_requirements(owner_requirements: dict[str, list[str]], installed: dict[str, str]) -> list[str]:
-    """Requirements (``"hivemind needs protobuf>=5.29.0, found 4.25.3"``) that the installed versions break.
+    """Requirements (``"hivemind needs protobuf>=5.29.0, found protobuf 4.25.3"``) that the installed versions break.
 
     ``owner_requirements`` maps a package to its requirement strings as ``importlib.metadata.requires``
     gives them; ``installed`` maps normalized package names to versions. Extras are not checked; a
@@ -245,7 +244,11 @@ def probe_initial_peer(swarm, maddr: str) -> Check:
 
 def check_network(cfg) -> list[Check]:
     """Start the daemon as ``run_peer`` would (minus the initial peers), then probe each initial peer."""
-    from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
+    try:
+        from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
+    except Exception as e:  # a protobuf/grpcio clash breaks hivemind's generated modules at import
+        return [Check("p2p daemon", "fail", f"hivemind cannot be imported: {type(e).__name__}: {e}",
+                      "reinstall into a fresh virtual environment: rm -rf .venv && bash scripts/setup.sh")]
 
     try:
         dht = start_dht(dataclasses.replace(cfg.swarm, initial_peers=[]))
