@@ -35,8 +35,10 @@ logger = logging.getLogger(__name__)
 PROG = "run_peer"
 
 
-class Stop(Exception):
-    """SIGINT/SIGTERM: leave the swarm cleanly."""
+class Stop(BaseException):
+    """SIGINT/SIGTERM: leave the swarm cleanly. A BaseException (like KeyboardInterrupt), so that no
+    ``except Exception`` it passes through, such as a round's failure handling, swallows it: the handler
+    ignores further signals, so a swallowed Stop would leave the peer running."""
 
 
 def _raise_stop(*_: object) -> None:
