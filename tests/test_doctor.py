@@ -56,6 +56,8 @@ def test_doctor_checks_each_initial_peer_on_loopback(tmp_path: Path, capsys: pyt
     assert _line(out, f"[ok  ] initial peer {good}").endswith("answered")
     assert "cannot connect" in _line(out, f"[warn] initial peer {dead}")
     assert "local swarm" in _line(out, "[ok  ] reachability")
+    # read through the bootstrap: nobody trains run "doc" yet
+    assert "no peer of run 'doc'" in _line(out, "[warn] swarm")
     assert out.rstrip().splitlines()[-1].startswith("result: ready to join")
     assert "Traceback" not in mixed.stderr
 
@@ -135,3 +137,24 @@ def test_memory_and_disk_estimates_follow_the_real_model() -> None:
     assert doctor_resources.training_bytes(shape, 8, 128, False) < fp32  # a smaller micro-batch is the documented fix
     assert doctor_resources.checkpoint_bytes(shape.parameters, momentum=0.9) == 8 * shape.parameters
     assert doctor_resources.checkpoint_bytes(shape.parameters, momentum=0.0) == 4 * shape.parameters
+
+
+def test_swarm_decisions_and_our_fingerprint() -> None:
+    from p2p_diloco.config_loader import build
+    from p2p_diloco.models import build_model, model_fingerprint
+    from p2p_diloco.peer.config import PeerConfig
+    from p2p_diloco.swarm.records import PeerProgress
+
+    cfg = build(PeerConfig, None, None, environ={}, base={"model.seq_len": 64})
+    ours = doctor_resources.model_fingerprint_of(cfg)
+    assert ours == model_fingerprint(build_model("tiny", 259, 64), "tiny")
+
+    def record(peer: str, epoch: int, fingerprint: str) -> PeerProgress:
+        return PeerProgress(peer, epoch, 0, 1.0, 1.0, 1.0, fingerprint, 0.0, False, 0.0)
+
+    same = doctor.classify_swarm([record("a", 3, ours), record("b", 4, "f" * 16)], "r", ours)
+    assert same.status == "ok" and "2 peer(s)" in same.detail and "epoch 4" in same.detail
+    other = doctor.classify_swarm([record("a", 3, "f" * 16)], "r", ours)
+    assert other.status == "fail" and "--model" in other.fix
+    assert doctor.classify_swarm([record("a", 3, "f" * 16)], "r", None).status == "ok"
+    assert doctor.classify_swarm([], "r", ours).status == "warn"

@@ -8,7 +8,8 @@ each with a fix:
 - the device and dtype training will use;
 - free memory and disk against what the model needs;
 - whether the p2p daemon starts on the given addresses (a real hivemind DHT, as ``run_peer`` starts it);
-- whether each initial peer answers, one by one;
+- whether each initial peer answers, one by one, and, through one that does, who trains the run and
+  whether their model is ours (a mismatch makes ``run_peer`` refuse to start);
 - whether other peers can dial this one, or it needs ``--client-mode`` or a relay.
 
 Exit code 0 when joining would work (warnings included), 1 when it would fail, 2 for a usage error.
@@ -29,8 +30,9 @@ from collections.abc import Iterable, Sequence
 
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging
 from p2p_diloco.cli.doctor_report import Check
-from p2p_diloco.cli.doctor_resources import check_device, check_resources
+from p2p_diloco.cli.doctor_resources import check_device, check_resources, model_fingerprint_of
 
+logger = logging.getLogger(__name__)
 PROG = "run_peer doctor"
 
 PACKAGES = ("torch", "hivemind", "transformers", "datasets", "protobuf", "grpcio", "safetensors",
@@ -222,13 +224,19 @@ def _probe_config(swarm, maddr: str):
                                identity_path=None, client_mode=True, nat_port_map=False)
 
 
-def probe_initial_peer(swarm, maddr: str) -> Check:
+def probe_initial_peer(swarm, maddr: str) -> tuple[Check, list | None]:
+    """Dial ``maddr`` from a throwaway node; when it answers, also read the run's progress records through it.
+
+    Returns the check and the records (``None`` when the peer did not answer or the read failed).
+    """
     from p2p_diloco.swarm.dht import SwarmStartError, start_dht
+    from p2p_diloco.swarm.records import fetch_progress
 
     try:
         dht = start_dht(_probe_config(swarm, maddr))
     except SwarmStartError as e:
-        return Check(f"initial peer {maddr}", "fail", f"not checked, a probe daemon did not start: {e}")
+        return Check(f"initial peer {maddr}", "fail", f"not checked, a probe daemon did not start: {e}"), None
+    records = None
     try:
         probe = functools.partial(_probe, maddr, swarm.startup_timeout_s)
         # the probe bounds its dial and its ping; this bound only guards against a wedged DHT process
@@ -237,12 +245,39 @@ def probe_initial_peer(swarm, maddr: str) -> Check:
             outcome, info = dht.run_coroutine(probe, return_future=True).result(timeout=bound)
         except TimeoutError:
             outcome, info = "timeout", ""
+        if outcome == "ok":
+            try:
+                records = fetch_progress(dht, swarm.run_id)
+            except Exception as e:  # the peer answered a ping; a failed read only costs the swarm line
+                logger.warning("Could not read the run's progress through %s: %s", maddr, e)
     finally:
         dht.shutdown()
-    return _peer_check(maddr, outcome, info, swarm.startup_timeout_s, swarm.dht_wait_timeout_s)
+    return _peer_check(maddr, outcome, info, swarm.startup_timeout_s, swarm.dht_wait_timeout_s), records
 
 
-def check_network(cfg) -> list[Check]:
+def classify_swarm(records: Sequence, run_id: str, fingerprint: str | None) -> Check:
+    """What the run looks like from here: who trains it, at which epoch, and whether our model matches.
+
+    ``fingerprint`` is ours (``None`` when it cannot be known without loading weights). A run whose peers
+    all train another model refuses this peer at start, as ``SwarmSession`` does.
+    """
+    if not records:
+        return Check("swarm", "warn", f"no peer of run {run_id!r} has published progress recently: this peer "
+                                      "would train alone until others come",
+                     "if the run should be active, check --run-id against the organisers' line")
+    epoch = max(r.epoch for r in records)
+    seen = f"{len(records)} peer(s) of run {run_id!r}, newest epoch {epoch}"
+    if fingerprint is None:
+        return Check("swarm", "ok", seen)
+    if all(r.fingerprint != fingerprint for r in records):
+        theirs = ", ".join(sorted({r.fingerprint for r in records}))
+        return Check("swarm", "fail", f"{seen}; they train a model with fingerprint {theirs}, ours is "
+                                      f"{fingerprint}, so run_peer would refuse to start",
+                     "use the run's --model, --seq-len and --tokenizer, or another --run-id for a separate run")
+    return Check("swarm", "ok", f"{seen}; same model as ours ({fingerprint})")
+
+
+def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
     """Start the daemon as ``run_peer`` would (minus the initial peers), then probe each initial peer."""
     try:
         from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
@@ -262,7 +297,8 @@ def check_network(cfg) -> list[Check]:
                                              cfg.swarm.client_mode)
     finally:
         dht.shutdown()
-    peers = [probe_initial_peer(cfg.swarm, maddr) for maddr in cfg.swarm.initial_peers]
+    probed = [probe_initial_peer(cfg.swarm, maddr) for maddr in cfg.swarm.initial_peers]
+    peers = [check for check, _ in probed]
     if peers and not any(c.status == "ok" for c in peers):
         checks += peers
         checks.append(Check("initial peers", "fail", "none of the initial peers answered, so run_peer would "
@@ -270,6 +306,9 @@ def check_network(cfg) -> list[Check]:
     elif peers:
         # hivemind needs one answering initial peer; the others only add redundancy
         checks += [dataclasses.replace(c, status="warn") if c.status == "fail" else c for c in peers]
+        records = next((r for _, r in probed if r is not None), None)
+        if records is not None:
+            checks.append(classify_swarm(records, cfg.run.run_id, fingerprint))
     else:
         checks.append(Check("initial peers", "ok", "none given: this peer would start a new swarm"))
     return checks + [reachability]
@@ -306,7 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks += check_resources(cfg, device)
     for line in report(checks)[0]:
         print(line, flush=True)
-    network = check_network(cfg)
+    try:
+        fingerprint = model_fingerprint_of(cfg)
+    except Exception:  # the model line above already says why the model cannot be built
+        fingerprint = None
+    network = check_network(cfg, fingerprint)
     for line in report(network)[0]:
         print(line, flush=True)
     failures = report(checks + network)[1]

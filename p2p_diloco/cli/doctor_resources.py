@@ -78,6 +78,26 @@ def model_shape(model: str, tokenizer: str | None, seq_len: int) -> ModelShape:
                       int(getattr(text, "vocab_size", 1)))
 
 
+def model_fingerprint_of(cfg) -> str | None:
+    """The architecture fingerprint ``run_peer`` would publish, for presets (built on the meta device).
+
+    ``None`` for a Hugging Face model: its fingerprint depends on the loaded weights' dtypes and on
+    embedding resizing, which only loading it would tell.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from p2p_diloco.data.tokenizer import load_tokenizer
+    from p2p_diloco.models import PRESETS, model_fingerprint, preset_config
+
+    if cfg.model.model not in PRESETS:
+        return None
+    vocab = load_tokenizer(cfg.data.tokenizer, cfg.model.model, tuple(PRESETS)).vocab_size
+    with torch.device("meta"):
+        model = LlamaForCausalLM(preset_config(cfg.model.model, vocab, cfg.model.seq_len))
+    return model_fingerprint(model, cfg.model.model)
+
+
 def training_bytes(shape: ModelShape, micro_batch: int, seq_len: int, low_precision: bool) -> int:
     """What the training device holds: fp32 weights, gradients and AdamW's two moments (16 bytes per
     parameter), plus activations of one micro-batch.
