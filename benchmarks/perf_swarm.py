@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -185,7 +186,8 @@ def bench_joiner(rate: float = 10.0) -> None:
     fresh_ready = [read_log(out / f"peer{i}.jsonl", "start")[0]["time"] - spawned for i in (1, 2)]
     start = read_log(out / "joiner.jsonl", "start")
     rounds = read_log(out / "joiner.jsonl")
-    params = 836_736  # tiny preset; the state is fp32 parameters plus fp32 outer momentum
+    # The state is fp32 parameters plus fp32 outer momentum; run_peer prints the parameter count.
+    params = int(re.search(r"([\d,]+)-parameter", (out / "peer1.out").read_text()).group(1).replace(",", ""))
     state_bytes = 2 * params * 4
     bound = state_bytes * 8 / (rate * 1e6)
     ready = start[0]["time"] - join_spawned if start else float("nan")
@@ -193,7 +195,8 @@ def bench_joiner(rate: float = 10.0) -> None:
                   and r["group_size"] >= 2), float("nan"))
     save("joiner", dict(rate_mbit=rate, state_bytes=state_bytes, bound_s=bound, how=start[0]["how"] if start else "",
                         ready_s=ready, fresh_startup_s=fresh_ready, first_contribution_s=first,
-                        transfer_s=ready - statistics.median(fresh_ready), codes=codes))
+                        transfer_s=ready - statistics.median(fresh_ready), codes=codes,
+                        joiner_outcomes=[r["outcome"] for r in rounds]))
 
 
 def _hetero_run(mode: str, slow_s: float, rounds: int, steps: int) -> dict[str, Any]:
