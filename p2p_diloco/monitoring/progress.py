@@ -83,7 +83,7 @@ class ProgressDisplay(SessionListener):
         changed = phase != self.phase
         self.phase, self.epoch = phase, epoch
         if phase == "training":
-            self._rate_start = None
+            self._rate_start, self.step = None, 0
         self._show(force=changed)
 
     def inner_step(self, step: int, total: int, loss: float, epoch: int) -> None:
