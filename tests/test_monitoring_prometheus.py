@@ -28,6 +28,7 @@ TEMPLATE_VARS = {"$__rate_interval": "30s", "$run_id": ".+", "$instance": ".+"}
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(600),  # about 2 minutes; the deadlines below allow for a heavily loaded machine
     pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed (Debian package "
                        "'prometheus': apt-get install -y prometheus; .ci/run installs it when it runs as root)"),
 ]
