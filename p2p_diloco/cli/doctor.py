@@ -287,8 +287,11 @@ def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
 
     try:
         dht = start_dht(dataclasses.replace(cfg.swarm, initial_peers=[]))
-    except SwarmStartError as e:
-        return [Check("p2p daemon", "fail", str(e)),
+    except (SwarmStartError, OSError) as e:
+        # OSError: the identity key cannot be written (a read-only folder, e.g. inside a container)
+        detail = str(e) if isinstance(e, SwarmStartError) else f"cannot create the identity key: {e}"
+        return [Check("p2p daemon", "fail", detail, "" if isinstance(e, SwarmStartError) else
+                      "choose an --identity-path in a folder you can write to"),
                 Check("initial peers", "warn", "not checked: the daemon did not start")]
     try:
         checks = [Check("p2p daemon", "ok", f"started as {dht.peer_id}, listening on "
