@@ -204,16 +204,61 @@ def scale(d: dict[str, Any]) -> list[str]:
     out = ["### Scale on this machine", "",
            f"N real `run_peer` processes (tiny model, {d['local_steps']} inner steps, {d['rounds']} rounds) in one "
            "swarm, each in its own namespace without a bandwidth limit.", "",
-           "| peers | finished | median round (s) | largest group | median group |", "| --- | --- | --- | --- | --- |"]
+           "| peers | finished | rounds averaged | median round (s) | largest group | median group |",
+           "| --- | --- | --- | --- | --- | --- |"]
     for r in d["rows"]:
-        out.append(f"| {r['peers']} | {r['finished']}/{r['peers']} | {r['median_round_s']:.1f} | {r['max_group']} | "
-                   f"{r['median_group']} |")
+        outcomes = [o for peer in r["outcomes"] for o in peer]
+        done = sum(o in ("averaged", "folded_late") for o in outcomes)
+        out.append(f"| {r['peers']} | {r['finished']}/{r['peers']} | {done}/{len(outcomes)} | {r['median_round_s']:.1f} | "
+                   f"{r['max_group']} | {r['median_group']} |")
+    out += ["", f"{max(r['peers'] for r in d['rows'])} peers was the largest swarm tried (the whole benchmark set must "
+            "fit in 20 minutes); it ran every round in one group, so the machine's limit lies above it. Round time "
+            "grows with N because all peers share 2 cores: each adds a training process, a DHT, an averager and a "
+            "p2p daemon."]
 
     def draw(ax):
         ax.plot([r["peers"] for r in d["rows"]], [r["median_round_s"] for r in d["rows"]], marker="o")
         ax.set_xlabel("peers")
         ax.set_ylabel("median round time (s)")
     return [*out, "", _plot("scale", draw)]
+
+
+def summary() -> list[str]:
+    """One row per target of the issue, from whatever JSON exists."""
+    rows = []
+    if d := _load("allreduce"):
+        for r in d["rows"]:
+            rows.append((f"all-reduce / bound, N={r['peers']}, {r['rate_mbit']:g} Mbit/s", "<= 1.25",
+                         f"{r['ratio']:.2f}", r["ratio"] <= 1.25))
+    if d := _load("utilization"):
+        for run in d["runs"]:
+            u = run["median_utilization"]
+            rows.append((f"compute utilization, overlap {run['mode']}", ">= 97% (eager)" if run["mode"] == "eager"
+                         else "(reference)", f"{100 * u:.1f}%", u >= 0.97 if run["mode"] == "eager" else None))
+    if d := _load("codecs"):
+        none = next(r for r in d["rows"] if r["codec"] == "none")["bytes_sent_per_round"]
+        four = next(r for r in d["rows"] if r["codec"] == "4bit")["bytes_sent_per_round"] / none
+        rows.append(("4bit bytes / fp32 bytes", "<= 0.125", f"{four:.4f}", four <= 0.125))
+    if d := _load("joiner"):
+        ratio = d["transfer_s"] / d["bound_s"]
+        rows.append(("joiner: ready minus start-up / transfer bound", "<= 1.5", f"{ratio:.2f}", ratio <= 1.5))
+        rows.append(("joiner: spawn to ready / transfer bound", "(reference)", f"{d['ready_s'] / d['bound_s']:.2f}",
+                     None))
+    if d := _load("hetero"):
+        ratios = []
+        for rep_ in sorted({r.get("rep", 0) for r in d["runs"]}):
+            runs = {r["mode"]: r for r in d["runs"] if r.get("rep", 0) == rep_}
+            target = runs["sync"]["peers"]["peer1"]["curve"][-1]
+            reach = _time_to(runs["dylu"]["peers"]["peer1"]["curve"], target[1])
+            ratios.append(reach / target[0] if reach is not None else float("inf"))
+        med = statistics.median(ratios)
+        rows.append(("DyLU + folding time to sync's loss / sync time (median)", "<= 0.8", f"{med:.2f}", med <= 0.8))
+    if d := _load("scale"):
+        rows.append(("most peers run in one swarm", "(measure)", str(max(r["peers"] for r in d["rows"]
+                                                                       if r["finished"] == r["peers"])), None))
+    out = ["| figure | target | measured | met |", "| --- | --- | --- | --- |"]
+    out += [f"| {a} | {b} | {c} | {'-' if ok is None else _met(ok)} |" for a, b, c, ok in rows]
+    return out
 
 
 SECTIONS = dict(allreduce=allreduce, utilization=utilization, codecs=codecs, joiner=joiner, hetero=hetero,
@@ -232,6 +277,7 @@ def main() -> None:
             continue
         hw = hw or d["hardware"]
         parts += ["", *render(d)]
+    parts[1:1] = ["", *summary()]
     if hw:
         parts.insert(1, f"\nHardware: {hw['cpu']}, {hw['cores']} cores, kernel {hw['kernel']}, Python {hw['python']}; "
                         f"the machine was shared with other test and benchmark runs (1-minute load average "
