@@ -7,7 +7,9 @@ tests, every time can be divided by about ten. Each field says how to choose its
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -87,6 +89,19 @@ def read_allowed_peers(path: str) -> frozenset[str]:
     if not ids:
         raise ValueError(f"allowed_peers: {path} lists no peer id; add one per line or drop --allowed-peers")
     return frozenset(ids)
+
+
+def _check_key_private(path: str) -> None:
+    """Refuse an existing identity key that other users can read (checked again when the DHT starts)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing: it will be created with mode 0600
+    if stat.S_ISREG(mode) and mode & 0o077:
+        raise ValueError(
+            f"identity_path: key {path} is readable by other users (mode {oct(mode & 0o777)}); anyone who reads "
+            f"it can impersonate this peer. Fix it with: chmod 600 {path}"
+        )
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, integer: bool = False) -> None:
@@ -241,6 +256,8 @@ class SwarmConfig:
             raise ValueError(
                 f"identity_path must be a non-empty path string or None, got {self.identity_path!r}"
             )
+        if self.identity_path is not None:
+            _check_key_private(self.identity_path)
         for name in ("client_mode", "use_relay", "use_auto_relay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
