@@ -88,6 +88,13 @@ def utilization(d: dict[str, Any]) -> list[str]:
     none = next(r for r in d["runs"] if r["mode"] == "none")
     out += ["", f"Blocking all-reduce cost {100 * (1 - none['median_utilization']):.0f}% of a round here; "
             f"eager target met: {_met(eager['median_utilization'] >= 0.97)}."]
+    waits = [(i, p["blocked_s"][i], p["inner_s"][i], p["allreduce_s"][i]) for p in eager["peers"]
+             for i in range(1, len(p["blocked_s"])) if p["blocked_s"][i] > 0.5]
+    if waits:
+        out += ["Eager rounds that still waited (round: waited s, inner s, all-reduce s): "
+                + "; ".join(f"{i}: {b:.1f}, {t:.1f}, {a:.1f}" for i, b, t, a in waits)
+                + ". There the inner phase (its length varies with the machine's load) was shorter than the matchmaking "
+                "window plus the all-reduce, which eager can hide only up to one round's length."]
 
     def draw(ax):
         for run in d["runs"]:
@@ -165,8 +172,10 @@ def hetero(d: dict[str, Any]) -> list[str]:
            f"({d['rounds']} rounds, H inner steps per round as listed). Synchronous waiting: every peer runs H steps and "
            "matchmaking holds the group until all three joined (`--min-local-steps H --target-group-size 3`, "
            "long `--matchmaking-time-s`). DyLU + folding: the defaults (slow peers run fewer steps, late work "
-           "is folded into a later round). Time to target = when DyLU's peer 1 first evaluated at or below "
-           "synchronous waiting's final eval loss, over synchronous waiting's wall time.", "",
+           "is folded into a later round), with twice the rounds so it can get there. Time to target = when "
+           "DyLU's peer 1 first evaluated at or below synchronous waiting's final eval loss, over the time "
+           "synchronous waiting's peer 1 took to that loss; time 0 is the first peer's start (start-up excluded). "
+           "Wall = until the last peer finished.", "",
            "| run | H | mode | measured slowdown of peer 3 | swarm tokens/s | wall (s) | final eval loss (peer 1) | "
            "DyLU time to sync's final loss / sync wall | outcomes (peer 1) |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

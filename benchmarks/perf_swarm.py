@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,6 +202,9 @@ def bench_joiner(rate: float = 10.0) -> None:
 
 def _hetero_run(mode: str, slow_s: float, rounds: int, steps: int) -> dict[str, Any]:
     out = WORK / f"hetero-{mode}"
+    # DyLU rounds are shorter, so it gets twice the rounds: the comparison is the time to reach synchronous
+    # waiting's final eval loss, and with equal rounds DyLU would stop before it had the chance.
+    rounds = rounds if mode == "sync" else 2 * rounds
     common = [*PEER_BASE, "--run-id", f"het-{mode}", "--local-steps", str(steps), "--max-rounds", str(rounds),
               "--matchmaking-timeout-s", "120"]
     if mode == "sync":
@@ -209,25 +213,41 @@ def _hetero_run(mode: str, slow_s: float, rounds: int, steps: int) -> dict[str, 
     else:
         extra = ["--min-local-steps", "5", "--matchmaking-time-s", "3"]
     slow = ",".join(f"slow_steps@{e}={slow_s}" for e in range(rounds + 8))
+    shutil.rmtree(out, ignore_errors=True)  # run logs append: a rerun must not read the last run's rows
     with Testbed(4, LAN_MBIT) as bed:
-        began = time.time()
         procs = start_swarm(bed, out, 3, [*common, *extra], peer_env={3: {"P2P_DILOCO_FAULTS": slow}})
         codes = wait_peers(procs, 600)
-    peers = {}
+    return dict(hetero_summary(out), mode=mode, local_steps=steps, codes=codes)
+
+
+def hetero_summary(out: Path, segment: int = -1) -> dict[str, Any]:
+    """Curves and rates of one run from its logs; ``segment`` picks a run when several appended to one log.
+
+    Time 0 is the first peer's ``start`` event (all start-up excluded, identically for both modes); wall time
+    runs until the last peer finished.
+    """
+    logs = {}
     for i in (1, 2, 3):
-        rows = read_log(out / f"peer{i}.jsonl")
-        evals = read_log(out / f"peer{i}.jsonl", "eval")
+        path = out / f"peer{i}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        cuts = [k for k, r in enumerate(rows) if r["event"] == "start"]
+        cuts.append(len(rows))
+        index = segment if segment >= 0 else len(cuts) - 2
+        logs[i] = rows[cuts[index]:cuts[index + 1]]
+    origin = min(rows[0]["time"] for rows in logs.values())
+    peers = {}
+    for i, rows in logs.items():
+        rounds = [r for r in rows if r["event"] == "round"]
         peers[f"peer{i}"] = dict(
-            curve=[(e["time"] - began, e["eval_loss"]) for e in evals]
-            + [(r["time"] - began, r["eval_loss"]) for r in rows if r.get("eval_loss") is not None],
-            steps=[r["inner_steps"] for r in rows], inner_s=[r["inner_seconds"] for r in rows],
-            outcomes=[r["outcome"] for r in rows], end=rows[-1]["time"] - began if rows else float("nan"))
+            curve=[(r["time"] - origin, r["eval_loss"]) for r in rows
+                   if r["event"] in ("eval", "round") and r.get("eval_loss") is not None],
+            steps=[r["inner_steps"] for r in rounds], inner_s=[r["inner_seconds"] for r in rounds],
+            outcomes=[r["outcome"] for r in rounds], end=rounds[-1]["time"] - origin if rounds else float("nan"))
     tokens = sum(sum(p["steps"]) for p in peers.values()) * 4 * 64
     wall = max(p["end"] for p in peers.values())
     speed = [sum(p["steps"]) / sum(p["inner_s"]) for p in peers.values()]
-    return dict(mode=mode, local_steps=steps, codes=codes, peers=peers, tokens=tokens, wall_s=wall,
-                tokens_per_s=tokens / wall,
-                steps_per_s=speed, slowdown=max(speed[:2]) / speed[2])
+    return dict(peers=peers, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, steps_per_s=speed,
+                slowdown=max(speed[:2]) / speed[2])
 
 
 def bench_hetero(slow_s: float = 0.12, rounds: int = 5, steps: int = 100, reps: int = 1) -> None:
