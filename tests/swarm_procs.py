@@ -89,3 +89,19 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 def tail(tmp: Path, name: str, n: int = 3000) -> str:
     path = tmp / f"{name}.out"
     return path.read_text()[-n:] if path.exists() else ""
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a started process and every process it started (its DHT process, p2p daemons): a lost machine."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    for p in [*children, psutil.Process(proc.pid)] if proc.poll() is None else children:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.wait(timeout=30)

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wait_for
+from swarm_procs import events, kill_tree, start_bootstrap, start_peer, tail, wait_all, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,28 +33,27 @@ def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> N
     boot, maddr = start_bootstrap(tmp_path)
     try:
         procs = {
-            "a": start_peer(tmp_path, "a", maddr, "--run-id", "f1", "--max-rounds", "6",
+            "a": start_peer(tmp_path, "a", maddr, "--run-id", "f1", "--max-rounds", "7",
                             faults="slow_sender@3=2"),
-            "b": start_peer(tmp_path, "b", maddr, "--run-id", "f1", "--max-rounds", "6",
-                            faults="fail_confirm@2"),
-            "c": start_peer(tmp_path, "c", maddr, "--run-id", "f1", "--max-rounds", "6",
-                            faults="nan_input@1,kill_before_allreduce@4"),
+            "b": start_peer(tmp_path, "b", maddr, "--run-id", "f1", "--max-rounds", "7",
+                            faults="fail_confirm@2,kill_before_allreduce@5"),
+            "c": start_peer(tmp_path, "c", maddr, "--run-id", "f1", "--max-rounds", "7",
+                            faults="nan_input@1"),
         }
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
-        boot.send_signal(signal.SIGKILL)  # the bootstrap node is lost for good
-        boot.wait(timeout=30)
+        kill_tree(boot)  # the bootstrap node is lost for good, its DHT process and p2p daemon included
         lost_at = max(r["new_epoch"] for r in events(tmp_path, "a", "round"))
         codes = wait_all(procs, 420)
     finally:
         if boot.poll() is None:
-            boot.kill()
-    assert codes["a"] == 0 and codes["b"] == 0, {n: tail(tmp_path, n) for n in "ab"}
-    assert codes["c"] == -signal.SIGKILL, tail(tmp_path, "c")
+            kill_tree(boot)
+    assert codes["a"] == 0, tail(tmp_path, "a")
+    assert codes["b"] == -signal.SIGKILL, tail(tmp_path, "b")
 
     # 1. every fault fired, at its epoch
     fired = {n: [(f["action"], f["epoch"]) for f in events(tmp_path, n, "fault")] for n in procs}
-    assert fired == {"a": [("slow_sender", 3)], "b": [("fail_confirm", 2)],
-                     "c": [("nan_input", 1), ("kill_before_allreduce", 4)]}, fired
+    assert fired == {"a": [("slow_sender", 3)], "b": [("fail_confirm", 2), ("kill_before_allreduce", 5)],
+                     "c": [("nan_input", 1)]}, fired
 
     ids = {n: events(tmp_path, n, "start")[0]["peer_id"] for n in procs}
     rounds = {n: events(tmp_path, n, "round") for n in procs}
@@ -78,8 +77,10 @@ def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> N
     reasons = [e for n in "ab" for e in first[n]["rejected"] if e.startswith(ids["c"])]
     assert any("NaN" in e for e in reasons), first
     assert all(first[n]["outcome"] in SYNCED for n in "ab"), first
+    # ... and stays banned: its later parts are dropped, or it is turned away at matchmaking
     banned_later = [e for n in "ab" for r in rounds[n] if r["epoch"] > 1 for e in r["rejected"]]
-    assert any(e.startswith(ids["c"]) and "banned" in e for e in banned_later), banned_later
+    turned_away = any(f"Refused to group with {ids['c']}" in tail(tmp_path, n, 10**7) for n in "ab")
+    assert turned_away or any(e.startswith(ids["c"]) and "banned" in e for e in banned_later), banned_later
 
     # fail_confirm at b in epoch 2: nobody applied that round, and its samples were not lost
     for name in "ab":
@@ -94,10 +95,13 @@ def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> N
     at3 = next(r for r in rounds["a"] if r["epoch"] == 3 and r["outcome"] != "resynced")
     assert at3["outcome"] in SYNCED and at3["allreduce_seconds"] >= 2.0, at3
 
-    # after the bootstrap node was lost and c was killed, a and b kept averaging together
+    # after the bootstrap node was lost, a and b kept averaging together
     later = [r for r in rounds["a"] if r["epoch"] > lost_at and r["outcome"] == "averaged"]
-    assert any(ids["b"] in r["contributors"] and r["group_size"] == 2 for r in later), rounds["a"]
+    assert any(ids["b"] in r["contributors"] for r in later), rounds["a"]
     assert max(r["new_epoch"] for r in rounds["a"]) >= 5
+    # b was killed as its epoch-5 round began: it lost only that round's work, and a's round ended in time
+    assert max(r["new_epoch"] for r in rounds["b"]) == 5
+    assert any(r["epoch"] == 5 for r in rounds["a"]), rounds["a"]
 
     # the loss fell on the honest peers, NaN attack notwithstanding
     for name in "ab":

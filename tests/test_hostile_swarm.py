@@ -35,7 +35,7 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
 
 def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(swarm: Swarm) -> None:
     cfg = dict(run_id="hostile", min_group_size=5, target_group_size=8, matchmaking_time_s=4.0,
-               matchmaking_timeout_s=40.0)
+               matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0)  # 6 processes
     common = dict(role="average", shapes=SHAPES, fingerprint="abcdef0123456789", cfg=cfg)
     honest = [swarm.spawn(f"h{v}", fresh=float(v), weight=1.0, **common) for v in (1, 2, 3)]
     hostile = {

@@ -22,6 +22,7 @@ fires once (a skipped round is retried in the same epoch and must not meet the f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -29,6 +30,8 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import psutil
 
 ENV = "P2P_DILOCO_FAULTS"
 ACTIONS = (
@@ -95,10 +98,26 @@ class FaultPlan:
                 return fault
         return None
 
+    def _crash(self) -> None:
+        """SIGKILL the whole peer: its DHT and averager processes and their p2p daemons first (a crashed
+        machine takes them all; killed alone, the host would leave them serving RPCs as orphans), then the
+        host process, then this process if it is another one."""
+        try:
+            children = psutil.Process(self._peer_pid).children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            if child.pid != os.getpid():
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._peer_pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def before_allreduce(self) -> None:
         if self._find("kill_before_allreduce"):
             self.record("kill_before_allreduce", self._epoch.value)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._crash()
 
     def after_inner_step(self) -> None:
         fault = self._find("slow_steps")
@@ -119,8 +138,7 @@ class FaultPlan:
             time.sleep(slow.value)
         if stage == "part_sent" and self._find("kill_during_allreduce"):
             self.record("kill_during_allreduce", self._epoch.value)
-            os.kill(self._peer_pid, signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._crash()
         if stage == "confirm" and self._find("fail_confirm"):
             self.record("fail_confirm", self._epoch.value)
             return False

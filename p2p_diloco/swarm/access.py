@@ -48,7 +48,7 @@ class AccessControlMixin:
         """hivemind's matchmaking, closed to peers that are not allowed or banned."""
         reason = self._refuse(context.remote_id)
         if reason is not None:
-            logger.info("Refused to group with %s: %s", context.remote_id, reason)
+            logger.warning("Refused to group with %s: %s", context.remote_id, reason)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
