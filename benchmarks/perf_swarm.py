@@ -205,13 +205,13 @@ def _hetero_run(mode: str, slow_s: float, rounds: int, steps: int) -> dict[str, 
     # DyLU rounds are shorter, so it gets twice the rounds: the comparison is the time to reach synchronous
     # waiting's final eval loss, and with equal rounds DyLU would stop before it had the chance.
     rounds = rounds if mode == "sync" else 2 * rounds
-    common = [*PEER_BASE, "--run-id", f"het-{mode}", "--local-steps", str(steps), "--max-rounds", str(rounds),
-              "--matchmaking-timeout-s", "120"]
+    common = [*PEER_BASE, "--run-id", f"het-{mode}", "--local-steps", str(steps), "--max-rounds", str(rounds)]
     if mode == "sync":
         # Synchronous waiting: everyone runs H steps, and matchmaking holds the group open until all three are in.
-        extra = ["--min-local-steps", str(steps), "--target-group-size", "3", "--matchmaking-time-s", "60"]
+        extra = ["--min-local-steps", str(steps), "--target-group-size", "3", "--matchmaking-time-s", "60",
+                 "--matchmaking-timeout-s", "120"]
     else:
-        extra = ["--min-local-steps", "5", "--matchmaking-time-s", "3"]
+        extra = ["--min-local-steps", "5", "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "30"]
     slow = ",".join(f"slow_steps@{e}={slow_s}" for e in range(rounds + 8))
     shutil.rmtree(out, ignore_errors=True)  # run logs append: a rerun must not read the last run's rows
     with Testbed(4, LAN_MBIT) as bed:
@@ -223,8 +223,10 @@ def _hetero_run(mode: str, slow_s: float, rounds: int, steps: int) -> dict[str, 
 def hetero_summary(out: Path, segment: int = -1) -> dict[str, Any]:
     """Curves and rates of one run from its logs; ``segment`` picks a run when several appended to one log.
 
-    Time 0 is the first peer's ``start`` event (all start-up excluded, identically for both modes); wall time
-    runs until the last peer finished.
+    Time 0 is the first peer's ``start`` event (all start-up excluded, identically for both modes). Wall time
+    ends when the last fast peer (1 or 2) finished, and tokens count the rounds every peer completed by then:
+    a slow peer's last round, started after the others stopped, waits out matchmaking alone and says nothing
+    about the swarm.
     """
     logs = {}
     for i in (1, 2, 3):
@@ -242,9 +244,10 @@ def hetero_summary(out: Path, segment: int = -1) -> dict[str, Any]:
             curve=[(r["time"] - origin, r["eval_loss"]) for r in rows
                    if r["event"] in ("eval", "round") and r.get("eval_loss") is not None],
             steps=[r["inner_steps"] for r in rounds], inner_s=[r["inner_seconds"] for r in rounds],
-            outcomes=[r["outcome"] for r in rounds], end=rounds[-1]["time"] - origin if rounds else float("nan"))
-    tokens = sum(sum(p["steps"]) for p in peers.values()) * 4 * 64
-    wall = max(p["end"] for p in peers.values())
+            outcomes=[r["outcome"] for r in rounds], end=rounds[-1]["time"] - origin if rounds else float("nan"),
+            round_end=[r["time"] - origin for r in rounds])
+    wall = max(peers["peer1"]["end"], peers["peer2"]["end"])
+    tokens = sum(n for p in peers.values() for n, t in zip(p["steps"], p["round_end"], strict=True) if t <= wall) * 4 * 64
     speed = [sum(p["steps"]) / sum(p["inner_s"]) for p in peers.values()]
     return dict(peers=peers, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, steps_per_s=speed,
                 slowdown=max(speed[:2]) / speed[2])
