@@ -30,18 +30,28 @@ def _sha_by_epoch(tmp: Path, names: list[str]) -> dict[int, set[str]]:
 
 def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
+    # a, b and c train until stopped, so the joiner d always finds a live swarm however slow the host is.
+    procs: dict = {}
     try:
-        procs = {
-            "a": start_peer(tmp_path, "a", maddr, "--run-id", "t1", "--max-rounds", "5"),
-            "b": start_peer(tmp_path, "b", maddr, "--run-id", "t1", "--max-rounds", "5"),
+        procs |= {
+            "a": start_peer(tmp_path, "a", maddr, "--run-id", "t1", "--max-rounds", "60"),
+            "b": start_peer(tmp_path, "b", maddr, "--run-id", "t1", "--max-rounds", "60"),
             # c is slowed during epoch 1 so it misses that round and must fold its work into a later one.
-            "c": start_peer(tmp_path, "c", maddr, "--run-id", "t1", "--max-rounds", "5",
+            "c": start_peer(tmp_path, "c", maddr, "--run-id", "t1", "--max-rounds", "60",
                             faults="slow_steps@1=0.8"),
         }
-        wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 240, "epoch 2 at a")
+        wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
         procs["d"] = start_peer(tmp_path, "d", maddr, "--run-id", "t1", "--max-rounds", "2")
-        codes = wait_all(procs, 300)
+        codes = wait_all({"d": procs["d"]}, 300)
+        wait_for(lambda: any(r["outcome"] == "folded_late" for r in events(tmp_path, "c", "round")), 120,
+                 "c's late work folded")
+        for name in "abc":
+            procs[name].terminate()
+        codes.update(wait_all({n: procs[n] for n in "abc"}, 120))
     finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
         boot.terminate()
     assert codes == {"a": 0, "b": 0, "c": 0, "d": 0}, {n: tail(tmp_path, n) for n in codes}
 
