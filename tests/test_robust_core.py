@@ -118,3 +118,19 @@ def test_reducer_with_centered_clip_outvotes_a_sign_flip_attack() -> None:
     assert rejected == {}
     assert float((clipped - 1.0).abs().max()) < 0.3
     assert float((plain - 1.0).abs().max()) > 4.0
+
+
+def test_norm_screen_normalises_by_claimed_weight_and_ignores_empty_parts() -> None:
+    from p2p_diloco.core.robust import norm_outliers
+
+    base = torch.ones(16)
+    # Pre-scaled parts grow with the square of the weight: a peer with 5x the work is not an outlier...
+    honest = [base * 1.0, base * 1.1, base * 25.0]
+    assert norm_outliers(honest, 20.0) == [2]  # (unweighted, it would be banned)
+    assert norm_outliers(honest, 20.0, weights=[1.0, 1.0, 5.0]) == []
+    # ...but a 100x scaled vector claiming ordinary weight is.
+    assert norm_outliers([base, base, base * 100.0], 20.0, weights=[1.0, 1.0, 1.0]) == [2]
+    # Members without late work send zeros in the late-work buffer: they are neither flagged nor counted.
+    assert norm_outliers([torch.zeros(16), torch.zeros(16), base * 3.0], 20.0, weights=[1.0, 1.0, 1.0]) == []
+    # Data claimed under zero weight is refused.
+    assert norm_outliers([base, base, base], 20.0, weights=[1.0, 1.0, 0.0]) == [2]

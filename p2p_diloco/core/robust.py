@@ -29,17 +29,39 @@ import torch
 AGGREGATIONS = ("mean", "trimmed-mean", "centered-clip")
 
 
-def norm_outliers(vectors: Sequence[torch.Tensor], factor: float, min_count: int = 3) -> list[int]:
-    """Indices of vectors whose L2 norm exceeds ``factor`` times the median norm of all of them.
+def norm_outliers(
+    vectors: Sequence[torch.Tensor], factor: float, min_count: int = 3, weights: Sequence[float] | None = None
+) -> list[int]:
+    """Indices of vectors whose (weight-normalised) L2 norm exceeds ``factor`` times the median of them.
 
-    With fewer than ``min_count`` vectors nobody is flagged: with two, there is no telling which one is off.
-    ``factor <= 0`` disables the screen. An all-zero group (median 0) flags only vectors that are not zero.
+    ``weights`` are the senders' claimed weights. The swarm pre-scales each pseudo-gradient by its weight
+    share, and a peer that did more local steps moves further, so an honest part's norm grows about with
+    the square of its weight; ``norm / weight**2`` compares peers that did unequal work fairly. Without
+    that, a peer with 5x the steps of the others would look like a 25x outlier and be banned.
+
+    All-zero vectors (members without work in this part, e.g. fresh peers in the late-work buffer) take no
+    part: they are neither flagged nor counted in the median. A non-zero vector claiming zero weight is
+    flagged. With fewer than ``min_count`` non-zero vectors nobody is flagged (with two there is no telling
+    which one is off). ``factor <= 0`` disables the screen.
     """
-    if factor <= 0 or len(vectors) < min_count:
+    if factor <= 0:
         return []
     norms = [float(torch.linalg.vector_norm(v.double())) for v in vectors]
-    median = sorted(norms)[(len(norms) - 1) // 2]  # the lower median: one huge outlier cannot raise it
-    return [i for i, norm in enumerate(norms) if not math.isfinite(norm) or norm > factor * median]
+    flagged = [i for i, norm in enumerate(norms) if not math.isfinite(norm)]
+    stats: dict[int, float] = {}
+    for i, norm in enumerate(norms):
+        if i in flagged or norm == 0.0:
+            continue
+        weight = 1.0 if weights is None else float(weights[i])
+        if weights is not None and not weight > 0:
+            flagged.append(i)
+            continue
+        stats[i] = norm / (weight * weight)
+    if len(stats) >= min_count:
+        ordered = sorted(stats.values())
+        median = ordered[(len(ordered) - 1) // 2]  # the lower median: one huge outlier cannot raise it
+        flagged += [i for i, stat in stats.items() if stat > factor * median]
+    return sorted(flagged)
 
 
 def trimmed_mean(vectors: Sequence[torch.Tensor], trim: int | None = None) -> torch.Tensor:

@@ -437,6 +437,8 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
             make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
             robust = dict(
                 sender_weights=[m.weight if m.has_fresh else 0.0 for m in plan.members],
+                claimed_weights=[(m.weight if m.has_fresh else 0.0) + (m.stale_weight if m.has_stale else 0.0)
+                                 for m in plan.members],
                 method=self.cfg.aggregation,
                 norm_factor=self.cfg.norm_outlier_factor,
                 banned=frozenset(self._banned),

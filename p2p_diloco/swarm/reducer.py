@@ -8,7 +8,8 @@ the part is reduced) and only when all have arrived:
 
 1. drops parts that were rejected on arrival (wrong shape or dtype, NaN or infinite values, or a sender
    banned earlier in this run);
-2. drops parts whose L2 norm is more than ``norm_factor`` times the median (``core.robust.norm_outliers``);
+2. drops parts whose weight-normalised L2 norm is more than ``norm_factor`` times the median
+   (``core.robust.norm_outliers``);
 3. combines the rest with ``mean``, ``trimmed-mean`` or ``centered-clip``, and rescales so that the result is
    the weighted mean over the accepted senders (see ``_rescale``).
 
@@ -51,6 +52,7 @@ class RobustPartReducer(TensorPartReducer):
     :param sender_ids: base58 ids of the senders, in hivemind's sender order.
     :param sender_weights: each sender's fresh weight in the plan (0 for members with only stale work); the
       pre-scaled inputs are renormalised by the accepted ones, see ``_rescale``.
+    :param claimed_weights: each sender's fresh plus late weight, for the norm screen (default: sender_weights).
     :param method: one of ``core.robust.AGGREGATIONS``.
     :param norm_factor: ``SwarmConfig.norm_outlier_factor``; 0 disables the norm screen.
     :param banned: senders banned earlier in this run; all their parts are dropped.
@@ -63,6 +65,7 @@ class RobustPartReducer(TensorPartReducer):
         sender_ids: Sequence[str],
         sender_weights: Sequence[float],
         *,
+        claimed_weights: Sequence[float] | None = None,
         method: str,
         norm_factor: float,
         banned: frozenset[str] = frozenset(),
@@ -72,6 +75,8 @@ class RobustPartReducer(TensorPartReducer):
         self.part_dtype = part_dtype
         self.sender_ids = tuple(sender_ids)
         self.sender_weights = tuple(float(w) for w in sender_weights)
+        # Fresh plus late weight: what the norm screen normalises by (see core.robust.norm_outliers).
+        self.claimed_weights = tuple(float(w) for w in (claimed_weights or sender_weights))
         self.method, self.norm_factor = method, norm_factor
         self.rejections: dict[int, str] = {
             i: "banned earlier in this run" for i, peer in enumerate(sender_ids) if peer in banned
@@ -127,7 +132,8 @@ class RobustPartReducer(TensorPartReducer):
             return
         accepted = {i: t for i, t in self._received.items() if i not in self.rejections}
         order = sorted(accepted)
-        for position in norm_outliers([accepted[i] for i in order], self.norm_factor):
+        weights = [self.claimed_weights[i] for i in order]
+        for position in norm_outliers([accepted[i] for i in order], self.norm_factor, weights=weights):
             index = order[position]
             self.rejections[index] = f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
             del accepted[index]
