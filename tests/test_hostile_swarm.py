@@ -63,10 +63,11 @@ def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(s
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         shas.add(result["fresh_sha"])
     assert len(shas) == 1
-    # every reducer that met the NaN or the scaled parts reported them; the group saw both
+    # whichever members reduced the parts (hivemind's load balancing may give a small vector to only a few,
+    # the attackers included: their own reducers reject their own inputs too) reported both attacks
     seen = {}
-    for peer in honest:
-        for entry in results[peer.name]["rejected"]:
+    for name in ("h1", "h2", "h3", "nan", "big"):
+        for entry in results[name]["rejected"]:
             peer_id, reason = entry.split(": ", 1)
             seen.setdefault(peer_id, reason)
     assert "NaN" in seen[ids["nan"]], seen
