@@ -83,14 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         swarm = cfg.swarm()
     except ValueError as e:
         usage_error(PROG, str(e))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         dht = start_dht(swarm)
     except SwarmStartError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
+    # After the DHT process is forked: a child inheriting this handler would ignore its own shutdown.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         addrs = [a for a in visible_maddrs(dht) if "/p2p-circuit" not in a]
         print(f"bootstrap node {dht.peer_id} is up. Volunteers join with:", flush=True)

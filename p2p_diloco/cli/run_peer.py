@@ -89,14 +89,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len)
     session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display], faults=faults)
     metrics = _start_metrics(cfg, session) if cfg.run.metrics_port else None
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_stop)
     try:
         try:
             how = session.start(ck.tensors if ck else None, ck.epoch if ck else 0)
         except SwarmStartError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 1
+        # Only now: the DHT and averager processes are forked by start(), and a child that inherited this
+        # handler would ignore the SIGTERM its parent's shutdown sends it, and outlive the peer.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _raise_stop)
         data_id = ck.manifest.get("data_id", session.peer_id) if ck else session.peer_id
         position = DataPosition.from_dict(ck.manifest.get("data_position", {})) if ck else None
         try:
