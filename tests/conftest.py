@@ -1,9 +1,10 @@
-"""Suite-wide fixtures: every test leaves no child process behind."""
+"""Suite-wide fixtures: every test leaves no process behind."""
 
 from __future__ import annotations
 
 import os
 import signal
+import uuid
 
 import psutil
 import pytest
@@ -12,23 +13,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Every process this test run starts inherits this tag, so that processes orphaned when a test killed
+# their parent (a peer's DHT, averager and p2pd after SIGKILL) are still found and reaped.
+TAG = "P2P_DILOCO_TEST_RUN"
+os.environ[TAG] = uuid.uuid4().hex
 
-def _reapable(proc: psutil.Process) -> bool:
+
+def _ours(proc: psutil.Process, exclude: set[int]) -> bool:
     try:
-        return proc.name() != "torch_shm_manager"
+        # torch's shared-memory manager is started once for the whole run (hivemind shares tensors
+        # through it); killing it would abort the next shared tensor freed in this process.
+        if proc.pid in exclude or proc.name() == "torch_shm_manager":
+            return False
+        return proc.environ().get(TAG) == os.environ[TAG]
     except psutil.Error:
         return False
 
 
+def _tagged(exclude: set[int]) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter() if _ours(p, exclude)]
+
+
 @pytest.fixture(autouse=True)
 def reap_children():
-    """Kill any process a test started and left running (peers, DHT daemons, p2pd)."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    yield
+    """Kill any process a test started and left running (peers, DHT daemons, p2pd), orphans included."""
     me = psutil.Process()
-    # torch's shared-memory manager is started once for the whole session (hivemind shares tensors
-    # through it); killing it would abort the next shared tensor freed in this process.
-    leftovers = [p for p in me.children(recursive=True) if p.pid not in before and _reapable(p)]
+    keep = {me.pid} | {p.pid for p in me.parents()} | {p.pid for p in me.children(recursive=True)}
+    yield
+    leftovers = _tagged(keep)
     for proc in leftovers:
         try:
             proc.send_signal(signal.SIGTERM)
