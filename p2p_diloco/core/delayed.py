@@ -17,7 +17,7 @@ A round receives fresh contributions ``i`` (weight ``w_i``) and late ones ``j`` 
 
     λ(s) = staleness_decay ** (s − 1)   for 1 ≤ s ≤ max_staleness
     λ(s) = 0 (dropped and counted)      for s > max_staleness
-    D    = W_f, or Σ_j w_j over the applied late work when no fresh work arrived (W_f = 0)
+    D    = max(W_f, Σ_j w_j over the applied late work)
 
 Why this rule:
 
@@ -31,7 +31,9 @@ Why this rule:
   in a swarm a round's momentum update must only see work computed from the same anchor.
 * Dividing by ``W_f`` gives a late peer the share it would have had among the fresh ones
   (``w_j / W_f``, like ``g/N`` in DN), and keeps the fresh mean unchanged by late arrivals.
-  When nobody is fresh, ``D`` falls back to the late weights so the step stays a mean.
+  When the late weight exceeds the fresh weight (nobody fresh, or a tiny fresh claim), ``D``
+  becomes the late total, so no late pseudo-gradient is ever applied with a coefficient above
+  λ ≤ 1: a peer cannot amplify stale work by pairing it with a tiny fresh weight.
 
 Choosing the policy:
 
@@ -231,7 +233,7 @@ def summarize_round(
         peer_ids=ids,
         fresh_weight_total=fresh_total,
         late_weight_total=late_total,
-        denominator=fresh_total if fresh_total > 0.0 else late_total,
+        denominator=max(fresh_total, late_total),
     )
 
 

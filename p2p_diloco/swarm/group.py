@@ -156,7 +156,11 @@ class GroupPlan:
         info = self.members[self.peer_ids.index(peer_id)]
         n = len(self.peer_ids)
         fresh = n * info.weight / self.fresh_weight_total if info.has_fresh else 0.0
-        stale = n * info.stale_weight / self.fresh_weight_total if info.has_stale else 0.0
+        # The core's denominator D = max(W_f, late total) (core.delayed.summarize_round): late work counts
+        # as one more share of the fresh work, and never with a coefficient above its own weight.
+        late_total = sum(m.stale_weight for m in self.members if m.has_stale)
+        denominator = max(self.fresh_weight_total, late_total)
+        stale = n * info.stale_weight / denominator if info.has_stale and denominator > 0 else 0.0
         return fresh, stale
 
 
