@@ -8,6 +8,12 @@ import uuid
 
 import psutil
 import pytest
+from hypothesis import settings
+
+# CI runs the property tests with a fixed seed, so a run is reproducible; locally they explore new inputs.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -402,5 +402,10 @@ def max_abs_error_bound(codec: Codec, t: Tensor) -> Tensor:
     absmax = codec._blocks(flat).abs().amax(dim=1)
     absmax = codec._per_value_scales(absmax, flat.numel()) * (1.0 + 2.0**-7)
     if isinstance(codec, Int8Codec):
-        return (absmax / 254.0).reshape(t.shape)
-    return torch.maximum(flat.abs() / 3.0, absmax / 128.0).reshape(t.shape)
+        bound = absmax / 254.0
+    else:
+        bound = torch.maximum(flat.abs() / 3.0, absmax / 128.0)
+    # A block whose largest value is below fp32's normal range has a scale that underflows: its values
+    # may come back as zero, so the bound is the value itself there.
+    tiny = absmax < 2.0**-126
+    return torch.where(tiny, torch.maximum(bound, flat.abs()), bound).reshape(t.shape)
