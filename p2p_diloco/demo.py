@@ -32,16 +32,17 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
 
 
-def _wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
+def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
+    """The first loopback multiaddr ``proc`` prints to ``path``; raises if it exits or stays silent."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         match = MADDR.search(path.read_text())
         if match:
             return match.group(0)
         if proc.poll() is not None:
-            raise RuntimeError(f"the bootstrap node exited: {path.read_text()[-1000:]}")
+            raise RuntimeError(f"{path.name}: exited with {proc.returncode}: {path.read_text()[-2000:]}")
         time.sleep(0.2)
-    raise RuntimeError("the bootstrap node did not print its address in time")
+    raise RuntimeError(f"{path.name}: no multiaddr within {timeout} s")
 
 
 class LogFollower:
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         procs["bootstrap"] = subprocess.Popen(
             [sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path", str(run_dir / "bootstrap.id"),
              "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], stdout=boot_out, stderr=subprocess.STDOUT, env=_env())
-        maddr = _wait_for_maddr(run_dir / "bootstrap.out", procs["bootstrap"])
+        maddr = wait_for_maddr(run_dir / "bootstrap.out", procs["bootstrap"])
         print(f"bootstrap node at {maddr}", flush=True)
         followers = {}
         for name in PEERS:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-MADDR = re.compile(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+")
+from p2p_diloco.demo import MADDR, wait_for_maddr  # noqa: F401 - shared with the tests
 
 # Loopback timings: rounds of a few seconds. Every peer of a test shares them. DyLU is held at H
 # (min-local-steps = local-steps): peers sharing this machine's two cores are not independent hardware,
@@ -40,16 +39,6 @@ def start_bootstrap(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     return proc, wait_for_maddr(tmp / "bootstrap.out", proc)
 
 
-def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = MADDR.search(path.read_text())
-        if match:
-            return match.group(0)
-        if proc.poll() is not None:
-            raise AssertionError(f"{path.name}: exited with {proc.returncode}: {path.read_text()[-2000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"{path.name}: no multiaddr within {timeout} s")
 
 
 def start_peer(tmp: Path, name: str, bootstrap: str, *extra: str, faults: str = "") -> subprocess.Popen:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from p2p_diloco.core.outer import OuterOptimizer
+from p2p_diloco.core.pseudograd import check_same_shapes
 
 __all__ = ["PREV_OWN_KEY_PREFIX", "EagerOuterStep"]
 
@@ -92,7 +93,7 @@ class EagerOuterStep:
             raise ValueError(f"own_share must be in (0, 1], got {own_share}")
         fresh = [t.detach().to(dtype=torch.float32) for t in own_fresh]
         if self._prev_own is not None:
-            _check_shapes(self._prev_own, fresh, "own_fresh")
+            check_same_shapes(self._prev_own, fresh, "own_fresh")
 
         if prev_group_avg is None:
             if self._prev_own is not None:
@@ -104,7 +105,7 @@ class EagerOuterStep:
                     "prev_group_avg given but no own pseudo-gradient from the previous round is stored; "
                     "pass prev_group_avg=None for the first round after (re)joining"
                 )
-            _check_shapes(fresh, prev_group_avg, "prev_group_avg")
+            check_same_shapes(fresh, prev_group_avg, "prev_group_avg")
             result = []
             for f, old, avg in zip(fresh, self._prev_own, prev_group_avg, strict=True):
                 term = f.sub(old.to(f.device))
@@ -170,19 +171,10 @@ class EagerOuterStep:
             raise ValueError(f"eager state indices are not 0..{len(loaded) - 1}")
         ordered = [loaded[i] for i in range(len(loaded))]
         if like is not None:
-            _check_shapes(like, ordered, "eager state")
+            check_same_shapes(like, ordered, "eager state")
             self._prev_own = [
                 t.to(device=ref.device, copy=True) for t, ref in zip(ordered, like, strict=True)
             ]
         else:
             self._prev_own = [t.clone() for t in ordered]
 
-
-def _check_shapes(reference: Sequence[Tensor], other: Sequence[Tensor], what: str) -> None:
-    if len(reference) != len(other):
-        raise ValueError(f"{what}: expected {len(reference)} tensors, got {len(other)}")
-    for index, (ref, tensor) in enumerate(zip(reference, other, strict=True)):
-        if ref.shape != tensor.shape:
-            raise ValueError(
-                f"{what}: tensor {index} has shape {tuple(tensor.shape)}, expected {tuple(ref.shape)}"
-            )

@@ -19,10 +19,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "pseudo_gradient", "weighted_mean"]
+__all__ = ["all_finite", "check_same_shapes", "pseudo_gradient", "weighted_mean"]
 
 
-def _check_same_shapes(reference: Sequence[Tensor], other: Sequence[Tensor], what: str) -> None:
+def check_same_shapes(reference: Sequence[Tensor], other: Sequence[Tensor], what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``other`` has the tensor count and shapes of ``reference``."""
     if len(reference) != len(other):
         raise ValueError(f"{what}: expected {len(reference)} tensors, got {len(other)}")
     for index, (ref, tensor) in enumerate(zip(reference, other, strict=True)):
@@ -49,11 +50,11 @@ def pseudo_gradient(
     Returns:
         ``out`` (filled) or a new list of fp32 tensors.
     """
-    _check_same_shapes(anchor, current, "pseudo_gradient(current)")
+    check_same_shapes(anchor, current, "pseudo_gradient(current)")
     if out is None:
         out = [torch.empty(a.shape, dtype=torch.float32, device=a.device) for a in anchor]
     else:
-        _check_same_shapes(anchor, out, "pseudo_gradient(out)")
+        check_same_shapes(anchor, out, "pseudo_gradient(out)")
         for index, buffer in enumerate(out):
             if buffer.dtype != torch.float32:
                 raise ValueError(
@@ -116,12 +117,12 @@ def weighted_mean(
     checked = _validated_weights(weights, len(deltas))
     reference = deltas[0]
     for index, delta in enumerate(deltas[1:], start=1):
-        _check_same_shapes(reference, delta, f"weighted_mean(contribution {index})")
+        check_same_shapes(reference, delta, f"weighted_mean(contribution {index})")
     total = sum(checked)
     if out is None:
         out = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in reference]
     else:
-        _check_same_shapes(reference, out, "weighted_mean(out)")
+        check_same_shapes(reference, out, "weighted_mean(out)")
         for index, buffer in enumerate(out):
             if buffer.dtype != torch.float32:
                 raise ValueError(
