@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from p2p_diloco.demo import MADDR, wait_for_maddr  # noqa: F401 - shared with the tests
+from p2p_diloco.demo import wait_for_maddr  # noqa: F401 - the tests import it from here
 
 # Loopback timings: rounds of a few seconds. Every peer of a test shares them. DyLU is held at H
 # (min-local-steps = local-steps): peers sharing this machine's two cores are not independent hardware,
