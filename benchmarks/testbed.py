@@ -179,6 +179,12 @@ class Testbed:
         except Exception:  # noqa: BLE001 - atexit may already be running
             pass
 
+    def set_link(self, index: int, up: bool) -> None:
+        """Cut (``up=False``) or restore host ``index``'s link: a network partition, as when a home router
+        drops its connection. The bridge port goes down, so the host's eth0 loses carrier while its processes
+        and their TCP connections live on; traffic resumes on the same addresses when the port comes back."""
+        _run("ip", "-n", self.bridge_ns, "link", "set", f"h{index}", "up" if up else "down")
+
     # ------------------------------------------------------------------ processes
 
     def popen(self, index: int, argv: Sequence[str], **kwargs: object) -> subprocess.Popen:

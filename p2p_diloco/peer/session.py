@@ -25,7 +25,9 @@ A round, from this peer's side (epoch ``e``: its anchors are θ(e)):
    applies next time. If nobody advanced, the peer keeps its local parameters and trains on from them, so
    the next pseudo-gradient covers both phases and no work is lost (outcome ``skipped``).
 5. **Alone.** With no other live peer of this run and model in the DHT, the peer applies its own
-   pseudo-gradient (DiLoCo with k = 1) so a lone volunteer still makes progress.
+   pseudo-gradient (DiLoCo with k = 1) so a lone volunteer still makes progress; a peer that saw others
+   first carries its work for ``solo_after_s`` (a partition must not split the swarm), and without a donor
+   to catch up from it trains on from its own parameters (step 4's rule), so an outage loses no work.
 
 With ``--overlap eager`` step 3 changes (see :mod:`p2p_diloco.peer.eager`): the all-reduce of epoch ``e``
 runs in the background during the next inner phase, and the outer step uses the core's eager rule with the
@@ -192,6 +194,7 @@ class SwarmSession:
         self.my_speed: float | None = None
         self.rounds_done = 0
         self.peers_visible = 0
+        self._last_seen_others: float | None = None
         self.inner_step = 0
         self.planned_steps = cfg.outer.local_steps
         self._last_progress = 0.0
@@ -325,12 +328,11 @@ class SwarmSession:
         # Eager peers differ by their own terms by design (see the module docstring): no checksum vote.
         drifted = not behind and self.overlap is None and self._in_minority()
         if behind or drifted:
-            self._stash_late(delta, weight)
             reason = (f"swarm is at epoch {swarm_epoch}, we are at {self.epoch}" if behind
                       else f"our parameters differ from the majority checksum of epoch {self.epoch}")
-            synced = self._resync(min_epoch=swarm_epoch if behind else self.epoch)
+            synced = self._catch_up(delta, weight, min_epoch=swarm_epoch if behind else self.epoch)
             report.outcome, report.reason = "resynced" if synced else "skipped", reason
-        elif self.peers_visible <= 1:
+        elif self.peers_visible <= 1 and self._may_go_solo():
             self._apply_solo(delta, weight, report)
         elif self.overlap is not None:
             eager_round(self, delta, weight, report, stats.seconds)
@@ -374,10 +376,10 @@ class SwarmSession:
         report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
         if not result.averaged:
             report.outcome = "skipped"
-            if (self._swarm_epoch() or 0) > self.epoch:
+            swarm_epoch = self._swarm_epoch() or 0
+            if swarm_epoch > self.epoch:
                 # The others completed the round without us: our work becomes late work.
-                self._stash_late(delta, weight)
-                self._resync(min_epoch=self._swarm_epoch() or self.epoch)
+                self._catch_up(delta, weight, min_epoch=swarm_epoch)
             else:
                 # Nobody advanced: keep training from the local parameters, so no work is lost.
                 self.continue_local, self.carry_weight = True, weight
@@ -420,12 +422,33 @@ class SwarmSession:
         except ValueError as e:
             logger.warning("Could not publish the checksum of epoch %d: %s", self.epoch, e)
 
-    def _stash_late(self, delta: list[torch.Tensor], weight: float) -> None:
+    def _catch_up(self, delta: list[torch.Tensor], weight: float, min_epoch: int) -> bool:
+        """Load the swarm's state and keep this round's work as late work; ``False`` if no donor answered.
+
+        Without a donor (a partition, every donor busy) nothing is stashed: the peer trains on from its own
+        parameters, so the next pseudo-gradient covers this round too and a long outage loses no work.
+        Stashing first would restart every round from the old anchors and keep only the last one's work.
+        """
+        origin = self.epoch
+        if not self._resync(min_epoch=min_epoch):
+            self.continue_local, self.carry_weight = True, weight
+            return False
         if self.late is not None:
             logger.info("Replacing older late work of epoch %d with that of epoch %d",
-                        self.late.origin_epoch, self.epoch)
-        self.late = LateWork(delta, weight, self.epoch)
-        self.continue_local, self.carry_weight = False, 0.0
+                        self.late.origin_epoch, origin)
+        self.late = LateWork(delta, weight, origin)
+        return True
+
+    def _may_go_solo(self) -> bool:
+        """A peer that saw others recently waits ``solo_after_s`` before stepping alone (see SwarmConfig)."""
+        if self._last_seen_others is None:
+            return True
+        unseen = time.monotonic() - self._last_seen_others
+        if unseen >= self.cfg.swarm.solo_after_s:
+            return True
+        logger.info("No other peer visible for %.0f s; carrying our work for up to %.0f s before going on alone",
+                    unseen, self.cfg.swarm.solo_after_s)
+        return False
 
     def _resync(self, min_epoch: int, timeout: float | None = None) -> bool:
         """Download and load the swarm's verified state of ``min_epoch`` or newer."""
@@ -457,6 +480,8 @@ class SwarmSession:
     def _records(self) -> list:
         records = [r for r in fetch_progress(self.dht, self.cfg.swarm.run_id) if r.fingerprint == self.fingerprint]
         self.peers_visible = len(records)
+        if any(r.peer_id != self.peer_id for r in records):
+            self._last_seen_others = time.monotonic()
         epochs = [r.epoch for r in records if not r.client_mode]
         self._notify("swarm", self.peers_visible, max(epochs) if epochs else None)
         return records

@@ -201,6 +201,14 @@ class SwarmConfig:
     """Lifetime of a published progress record, 1-86400 s. Republish at least every half of it; a peer that
     stops publishing drops out of the swarm's view (epoch, speeds) after this long."""
 
+    solo_after_s: float = 600.0
+    """How long a peer that has seen others of its run waits, seeing none, before it steps alone, 0-86400 s.
+    Until then a round without a group is skipped and its work carried into the next one. This is what keeps
+    a network partition from splitting the swarm: a peer cut off from the others would otherwise apply
+    solo rounds, race ahead in epochs, and on reconnecting make the connected majority download its state.
+    Set it to a few rounds: long enough to ride out a router restart, short enough that a volunteer whose
+    swarm went away still makes progress. A peer that never saw another one steps alone at once."""
+
     checksum_ttl_s: float = 1800.0
     """Lifetime of a published per-epoch parameter checksum, 1-86400 s. Keep it longer than a few rounds so
     joiners can verify a downloaded state against the epoch it claims."""
@@ -297,6 +305,7 @@ class SwarmConfig:
         _check_range("declare_state_period_s", self.declare_state_period_s, 1, 3600)
         _check_range("progress_ttl_s", self.progress_ttl_s, 1, 86400)
         _check_range("checksum_ttl_s", self.checksum_ttl_s, 1, 86400)
+        _check_range("solo_after_s", self.solo_after_s, 0, 86400)
         _check_range("startup_timeout_s", self.startup_timeout_s, 1, 600)
         _check_range("dht_wait_timeout_s", self.dht_wait_timeout_s, 0.1, 120)
         _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.1, 120)

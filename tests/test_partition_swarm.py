@@ -1,0 +1,103 @@
+"""A network partition on the namespace testbed: one of three run_peer processes loses its link for longer
+than its progress records live, then comes back.
+
+Each peer runs in its own network namespace (benchmarks/testbed.py); the partition is the peer's bridge port
+set down while every process keeps running, as when a home router drops its connection. The fault is keyed
+by (peer, epoch): it fires when peer 3 enters epoch 2. Checked, as for every fault: the partition fired (peer
+3's rounds in the window were skipped, the others averaged without it); every peer that reached an epoch
+through the swarm holds the same parameters; every round ended within its deadline. And no split brain: the
+cut-off peer keeps its work instead of training on alone, so the two connected peers never have to give up
+their state for it; back online, it downloads the swarm's state and folds the work of the partition in as
+late work.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from swarm_procs import FAST, events, tail, wait_for
+
+from benchmarks.testbed import Testbed, missing_requirements, start_swarm, wait_peers
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(missing_requirements() is not None, reason=f"testbed unavailable: {missing_requirements()}"),
+]
+
+SYNCED = ("averaged", "folded_late", "resynced")
+PARTITION_S = 40.0  # longer than --progress-ttl-s (30 in FAST): the others' records expire at peer 3
+ROUND_BUDGET_S = 15 + 30 + 10  # matchmaking_timeout_s + allreduce_timeout_s (FAST) + the averager's grace
+
+
+def _fast_without_host() -> list[str]:
+    args = list(FAST)
+    at = args.index("--host-maddrs")
+    del args[at : at + 2]  # the testbed gives each peer its namespace's address
+    return args
+
+
+def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_path: Path) -> None:
+    args = [*_fast_without_host(), "--run-id", "part", "--max-rounds", "200"]
+    with Testbed(4, 1000.0, prefix=f"pdp{os.getpid()}") as bed:
+        procs = start_swarm(bed, tmp_path, 3, args)
+        wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "peer3", "round")), 240,
+                 "peer3 at epoch 2")
+        bed.set_link(3, up=False)
+        cut = time.time()
+        cut_epoch = {n: max(r["new_epoch"] for r in events(tmp_path, n, "round")) for n in ("peer1", "peer2")}
+        wait_for(lambda: time.time() - cut >= PARTITION_S, PARTITION_S + 5, "the partition to last")
+        bed.set_link(3, up=True)
+        healed = time.time()
+
+        def rejoined() -> bool:
+            rows = [r for r in events(tmp_path, "peer3", "round") if r["time"] > healed]
+            return any(r["outcome"] == "folded_late" for r in rows) and rows[-1]["outcome"] == "averaged"
+
+        wait_for(rejoined, 180, "peer3 to fold its partition work in and average again")
+        for proc in procs.values():
+            proc.terminate()
+        codes = wait_peers(procs, 60)
+    assert codes == {"peer1": 0, "peer2": 0, "peer3": 0}, {n: tail(tmp_path, n) for n in codes}
+
+    names = ("peer1", "peer2", "peer3")
+    ids = {n: events(tmp_path, n, "start")[0]["peer_id"] for n in names}
+    rounds = {n: events(tmp_path, n, "round") for n in names}
+    during = {n: [r for r in rows if cut < r["time"] <= healed] for n, rows in rounds.items()}
+
+    # 1. the partition fired: peer 3 could not average, and the others went on without it
+    assert during["peer3"] and all(r["outcome"] == "skipped" for r in during["peer3"]), during["peer3"]
+    for name in ("peer1", "peer2"):
+        alone = [r for r in during[name] if r["outcome"] == "averaged" and ids["peer3"] not in r["contributors"]]
+        assert alone, (name, during[name])
+        assert max(r["new_epoch"] for r in rounds[name]) > cut_epoch[name] + 1
+
+    # no split brain: peer 3 never stepped alone while cut off, so the connected majority never had to
+    # download anybody's state; peer 3 did, and folded the partition's work in late
+    assert not any(r["outcome"] == "averaged" and r["group_size"] == 1 for r in rounds["peer3"]), rounds["peer3"]
+    assert not any(r["outcome"] == "resynced" and r["time"] > cut for n in ("peer1", "peer2") for r in rounds[n])
+    after = [r for r in rounds["peer3"] if r["time"] > healed]
+    assert after[0]["outcome"] in ("resynced", "skipped"), after[0]
+    folded = next(r for r in after if r["outcome"] == "folded_late")
+    assert max(folded["staleness"]) >= 2, folded
+    # ... with all of the partition's samples: every skipped round carried its weight forward
+    carried = sum(r["inner_steps"] for r in rounds["peer3"] if r["outcome"] == "skipped" and r["time"] > cut)
+    assert carried >= sum(r["inner_steps"] for r in during["peer3"])
+
+    # 2. identical parameters wherever an epoch was reached through the swarm
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    for rows in rounds.values():
+        for r in rows:
+            if r["outcome"] in SYNCED:
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+    assert by_epoch and all(len(s) == 1 for s in by_epoch.values()), by_epoch
+
+    # 3. every round ended, averaged or cleanly skipped, within its deadline
+    for name, rows in rounds.items():
+        for r in rows:
+            assert r["outcome"] in (*SYNCED, "skipped"), r
+            assert r["wait_seconds"] + r["allreduce_seconds"] <= ROUND_BUDGET_S, (name, r)
