@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from p2p_diloco.core.dylu import DyLU
+from p2p_diloco.core.dylu import DyLU, late_start_steps
 
 
 class FakeClock:
@@ -100,3 +100,13 @@ def test_forget_and_fastest() -> None:
 def test_validation(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         DyLU(**kwargs)  # type: ignore[arg-type]
+
+
+def test_late_start_drops_the_steps_the_download_took() -> None:
+    assert late_start_steps(100, 4.0, 5.0, 10) == 80  # 4 s late at 5 steps/s: 20 steps fewer
+    assert late_start_steps(100, 4.9, 5.0, 10) == 76  # whole steps only, rounded towards more work
+    assert late_start_steps(100, 60.0, 5.0, 10) == 10  # never below min_steps
+    for speed in (None, 0.0, -1.0, float("nan"), float("inf")):
+        assert late_start_steps(100, 4.0, speed, 10) == 100  # no usable speed: unchanged
+    assert late_start_steps(100, 0.0, 5.0, 10) == 100
+    assert late_start_steps(100, float("nan"), 5.0, 10) == 100

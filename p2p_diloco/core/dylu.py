@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["DyLU"]
+__all__ = ["DyLU", "late_start_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,3 +154,17 @@ class DyLU:
         # peer, so it gets exactly H steps with no rounding down to H - 1.
         steps = math.floor(self.target_steps * (float(my_speed) / v_max))
         return max(self.min_steps, min(self.target_steps, steps))
+
+
+def late_start_steps(steps: int, late_s: float, speed: float | None, min_steps: int) -> int:
+    """Steps for a round that starts ``late_s`` seconds after the swarm's (a joiner, a peer that resynced).
+
+    The others began their inner phase while this peer was downloading the state; running the full
+    ``steps`` would bring it to the all-reduce ``late_s`` after them, behind again, and a peer that downloads
+    every round never contributes fresh work. Dropping ``late_s * speed`` steps lands it with the others.
+    The download time understates the lag (the swarm moved on before it began), so this errs towards
+    arriving slightly late, which the matchmaking window absorbs. Without a speed estimate nothing changes.
+    """
+    if speed is None or not math.isfinite(speed) or speed <= 0 or not late_s > 0:
+        return steps
+    return max(min_steps, min(steps, steps - math.floor(late_s * speed)))

@@ -61,7 +61,7 @@ from p2p_diloco.core.delayed import (
     aggregate_round,
     summarize_round,
 )
-from p2p_diloco.core.dylu import DyLU
+from p2p_diloco.core.dylu import DyLU, late_start_steps
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.eager import EagerOverlap, eager_round
@@ -195,6 +195,7 @@ class SwarmSession:
         self.rounds_done = 0
         self.peers_visible = 0
         self._last_seen_others: float | None = None
+        self._late_start_s = 0.0
         self.inner_step = 0
         self.planned_steps = cfg.outer.local_steps
         self._last_progress = 0.0
@@ -289,7 +290,15 @@ class SwarmSession:
         for record in self._records():
             if record.peer_id != self.peer_id and record.steps_per_s > 0:
                 self.dylu.observe(record.peer_id, record.steps_per_s)
-        self.planned_steps = self.dylu.local_steps(self.my_speed)
+        steps = self.dylu.local_steps(self.my_speed)
+        if self._late_start_s > 0:
+            speed = self.my_speed or self.dylu.fastest(None)
+            self.planned_steps = late_start_steps(steps, self._late_start_s, speed, self.cfg.outer.min_local_steps)
+            logger.info("Started %.1f s after the swarm (state download): %d inner steps instead of %d",
+                        self._late_start_s, self.planned_steps, steps)
+            self._late_start_s = 0.0
+        else:
+            self.planned_steps = steps
         return self.planned_steps
 
     def begin_round(self) -> None:
@@ -454,6 +463,7 @@ class SwarmSession:
         """Download and load the swarm's verified state of ``min_epoch`` or newer."""
         self._notify("status", "syncing", min_epoch)
         templates = self.state.anchors
+        began = time.monotonic()
         state = download_state(self.averager, templates, [torch.zeros_like(t) for t in templates],
                                min_epoch=min_epoch, timeout=timeout)
         self._notify("state_transfer", "received", state is not None)
@@ -469,6 +479,7 @@ class SwarmSession:
         self.state.begin(self.params)
         self.continue_local, self.carry_weight = False, 0.0
         self._serve_state()
+        self._late_start_s = time.monotonic() - began
         logger.info("Synchronised to epoch %d from %s", state.epoch, state.donor)
         return True
 
