@@ -21,39 +21,58 @@ from p2p_diloco.simulate.modes import run
 
 PROG = "p2p_diloco.simulate"
 # The simulator's defaults suit the tiny preset on a CPU; every TrainConfig flag can override them.
-DEFAULTS = {"inner.lr": 1e-3, "inner.warmup_steps": 20, "inner.batch_size": 8, "model.seq_len": 128,
-            "outer.local_steps": 20, "outer.min_local_steps": 2, "data.eval_batches": 8}
+DEFAULTS = {
+    "inner.lr": 1e-3,
+    "inner.warmup_steps": 20,
+    "inner.batch_size": 8,
+    "model.seq_len": 128,
+    "outer.local_steps": 20,
+    "outer.min_local_steps": 2,
+    "data.eval_batches": 8,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser(PROG, "Simulate k peers on a virtual clock, driving the same core as the swarm.",
-                         TrainConfig)
+    parser = make_parser(
+        PROG, "Simulate k peers on a virtual clock, driving the same core as the swarm.", TrainConfig
+    )
     parser.add_argument("--mode", default="diloco", help=f"one of {', '.join(MODES)}")
     parser.add_argument("--workers", type=int, default=4, help="number of simulated peers (k)")
     parser.add_argument("--rounds", type=int, default=10, help="outer rounds (async: equal compute)")
-    parser.add_argument("--speeds", type=float, nargs="*", default=None,
-                        help="per-worker speed factors, e.g. 1 1 1 0.4")
+    parser.add_argument(
+        "--speeds", type=float, nargs="*", default=None, help="per-worker speed factors, e.g. 1 1 1 0.4"
+    )
     parser.add_argument("--step-time", type=float, default=1.0, help="virtual seconds per step at speed 1")
-    parser.add_argument("--bandwidth-mbps", type=float, default=0.0,
-                        help="per-peer link for all-reduce time; 0 = free communication")
+    parser.add_argument(
+        "--bandwidth-mbps",
+        type=float,
+        default=0.0,
+        help="per-peer link for all-reduce time; 0 = free communication",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="write the result as JSON here")
     cfg, args = parse_config(parser, TrainConfig, argv, base=DEFAULTS)
     setup_logging(args.verbose)
     try:
-        sim = SimConfig(args.mode, args.workers, args.rounds, list(args.speeds or []), args.step_time,
-                        args.bandwidth_mbps)
+        sim = SimConfig(
+            args.mode, args.workers, args.rounds, list(args.speeds or []), args.step_time, args.bandwidth_mbps
+        )
     except ValueError as e:
         usage_error(PROG, str(e))
     print(f"{'round':>5} {'eval_loss':>9} {'virtual_s':>10} {'MB_sent/worker':>14} {'inner_steps':>11}")
 
     def show(r: RoundRecord) -> None:
-        print(f"{r.round:>5} {r.eval_loss:>9.4f} {r.virtual_time_s:>10.1f} "
-              f"{r.bytes_sent_per_worker / 1e6:>14.3f} {r.inner_steps:>11}", flush=True)
+        print(
+            f"{r.round:>5} {r.eval_loss:>9.4f} {r.virtual_time_s:>10.1f} "
+            f"{r.bytes_sent_per_worker / 1e6:>14.3f} {r.inner_steps:>11}",
+            flush=True,
+        )
 
     result = run(cfg, sim, show)
-    print(f"{sim.mode}: eval loss {result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f}, "
-          f"{result.total_inner_steps} inner steps, {result.total_bytes_sent_per_worker / 1e6:.3f} MB "
-          f"sent per worker, {result.virtual_time_s:.1f} virtual s")
+    print(
+        f"{sim.mode}: eval loss {result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f}, "
+        f"{result.total_inner_steps} inner steps, {result.total_bytes_sent_per_worker / 1e6:.3f} MB "
+        f"sent per worker, {result.virtual_time_s:.1f} virtual s"
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))

@@ -113,8 +113,12 @@ def build_workers(cfg: TrainConfig, sim: SimConfig, *, lr: float, momentum: floa
     for i in range(sim.workers):
         local = build_local(copy.deepcopy(cfg), peer_id=f"sim-worker-{i}")
         state = OuterState(
-            local.trainer.parameters(), lr=lr, momentum=momentum, policy=policy,
-            codec=cfg.outer.compression, error_feedback=cfg.outer.error_feedback,
+            local.trainer.parameters(),
+            lr=lr,
+            momentum=momentum,
+            policy=policy,
+            codec=cfg.outer.compression,
+            error_feedback=cfg.outer.error_feedback,
         )
         workers.append(Worker(i, local, state, sim.speeds[i]))
     return workers

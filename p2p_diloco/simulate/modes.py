@@ -53,13 +53,26 @@ def _eval(worker: Worker, params: list[torch.Tensor] | None = None) -> float:
 
 def _result(cfg: TrainConfig, sim: SimConfig, initial: float) -> SimResult:
     return SimResult(
-        mode=sim.mode, workers=sim.workers, local_steps=cfg.outer.local_steps, speeds=list(sim.speeds),
-        compression=cfg.outer.compression, model=cfg.model.model, seed=cfg.run.seed, initial_eval_loss=initial,
+        mode=sim.mode,
+        workers=sim.workers,
+        local_steps=cfg.outer.local_steps,
+        speeds=list(sim.speeds),
+        compression=cfg.outer.compression,
+        model=cfg.model.model,
+        seed=cfg.run.seed,
+        initial_eval_loss=initial,
     )
 
 
-def _record(result: SimResult, rnd: int, loss: float, time_s: float, bytes_sent: int, steps: int,
-            progress: Progress | None) -> None:
+def _record(
+    result: SimResult,
+    rnd: int,
+    loss: float,
+    time_s: float,
+    bytes_sent: int,
+    steps: int,
+    progress: Progress | None,
+) -> None:
     rec = RoundRecord(rnd, loss, time_s, bytes_sent, steps)
     result.rounds.append(rec)
     result.final_eval_loss, result.virtual_time_s = loss, time_s
@@ -141,7 +154,9 @@ def run_ddp(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None) 
     trainer = InnerTrainer(base.local.model, inner, batches())
     H = cfg.outer.local_steps
     grad_bytes = 4 * base.state.numel
-    step_time = sim.step_time_s / min(sim.speeds) + allreduce_seconds(grad_bytes, sim.workers, sim.bandwidth_mbps)
+    step_time = sim.step_time_s / min(sim.speeds) + allreduce_seconds(
+        grad_bytes, sim.workers, sim.bandwidth_mbps
+    )
     result = _result(cfg, sim, trainer.evaluate(base.local.eval_batches))
     clock, steps, sent = 0.0, 0, 0
     for rnd in range(1, sim.rounds + 1):
@@ -165,7 +180,8 @@ def run_async(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None
     theta = [a.clone() for a in workers[0].state.anchors]
     if sim.mode == "async":
         server: NaiveAsyncNesterov | DelayedNesterov = NaiveAsyncNesterov(
-            theta, lr=cfg.outer.lr / k, momentum=cfg.outer.momentum)
+            theta, lr=cfg.outer.lr / k, momentum=cfg.outer.momentum
+        )
     else:
         server = DelayedNesterov(theta, buffer_size=k, beta=cfg.outer.momentum, lr=cfg.outer.lr)
     dylu = DyLU(H, min_steps=cfg.outer.min_local_steps, alpha=1.0, clock=lambda: 0.0)
