@@ -134,3 +134,70 @@ def test_norm_screen_normalises_by_claimed_weight_and_ignores_empty_parts() -> N
     assert norm_outliers([torch.zeros(16), torch.zeros(16), base * 3.0], 20.0, weights=[1.0, 1.0, 1.0]) == []
     # Data claimed under zero weight is refused.
     assert norm_outliers([base, base, base], 20.0, weights=[1.0, 1.0, 0.0]) == [2]
+
+
+def test_parts_are_split_and_assigned_as_hivemind_does() -> None:
+    """The simulator's all-reduce (core.robust.GroupReduction) cuts and distributes parts like the swarm's."""
+    from hivemind.averaging.partition import TensorPartContainer
+    from hivemind.compression import Float16Compression, NoCompression
+
+    from p2p_diloco.core.codecs import get_codec
+    from p2p_diloco.core.hivemind_codecs import CodecCompression
+    from p2p_diloco.core.robust import assign_parts, part_size_values, split_parts
+
+    tensors = _honest(1, dim=2100)[0].reshape(300, 7), torch.ones(5), torch.ones(1000), torch.ones(64, 64)
+    for compression, codec in ((NoCompression(), "none"), (Float16Compression(), "fp16"),
+                               (CodecCompression("4bit"), "4bit")):
+        for fractions in ([1.0] * 5, [0.5, 2.0, 1.0, 0.1]):
+            container = TensorPartContainer(tensors, fractions, compression=compression, part_size_bytes=1024)
+            parts = split_parts(tensors, part_size_values(1024, get_codec(codec).bits_per_value()))
+            owners = assign_parts([p.numel() for p in parts], fractions)
+            for member in range(len(fractions)):
+                theirs = [p for p, _ in container._input_parts_by_peer[member]]
+                ours = [p for p, owner in zip(parts, owners, strict=True) if owner == member]
+                assert len(ours) == len(theirs) and all(map(torch.equal, ours, theirs)), (codec, fractions)
+
+
+def test_group_reduction_is_the_weighted_mean_and_bans_a_caught_attacker_for_good() -> None:
+    from p2p_diloco.core.robust import GroupReduction, assign_parts, split_parts
+
+    def senders(seed: int, attack: float) -> list[list[torch.Tensor]]:
+        out = [[v.reshape(8, 8), 2 * v[:10]] for v in _honest(5, seed=seed)]
+        out[4] = [attack * t for t in out[4]]
+        return out
+
+    def weighted_mean(vectors: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+        return [sum(w * v[i] for w, v in zip(weights, vectors, strict=True)) / sum(weights) for i in range(2)]
+
+    weights = [1.0, 3.0, 2.0, 2.0, 2.0]
+    reduction = GroupReduction(5, method="mean", norm_factor=20.0, values_per_part=16)
+    clean = senders(0, 1.0)
+    for got, exact in zip(reduction.reduce(clean, weights), weighted_mean(clean, weights), strict=True):
+        torch.testing.assert_close(got, exact)
+    assert reduction.new_bans == [] and reduction.faults == []
+    # Sender 4 scales its data by 1000: every other reducer catches it in its first part and bans it.
+    reduction.reduce(senders(1, 1000.0), weights)
+    bans = sorted((owner, sender) for owner, sender, _ in reduction.new_bans)
+    assert bans == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    # Later it attacks below the screen (5x): the reducers that banned it still drop all its parts, its own
+    # reducer (no averager bans itself) takes them.
+    later = senders(2, 5.0)
+    got = split_parts(reduction.reduce(later, weights), 16)
+    honest = split_parts(weighted_mean(later[:4], weights[:4]), 16)
+    owners = assign_parts([p.numel() for p in got], [1.0] * 5)
+    assert reduction.new_bans == [] and 4 in owners
+    for owner, ours, exact in zip(owners, got, honest, strict=True):
+        if owner == 4:
+            assert float((ours - exact).abs().max()) > 0.1
+        else:
+            torch.testing.assert_close(ours, exact)
+
+
+def test_simulator_defaults_are_the_swarms() -> None:
+    from p2p_diloco.simulate import SimConfig
+    from p2p_diloco.swarm import SwarmConfig
+
+    fields = SwarmConfig.__dataclass_fields__
+    assert SimConfig.part_size_bytes == fields["part_size_bytes"].default
+    assert SimConfig.norm_outlier_factor == fields["norm_outlier_factor"].default
+    assert SimConfig.aggregation == fields["aggregation"].default

@@ -1,9 +1,11 @@
 """Robust aggregation of n vectors (network-free): the plain mean, a coordinate-wise trimmed mean and
 centered clipping, plus the norm-outlier screen applied before any of them.
 
-Where they run. The swarm's reducers call :func:`aggregate` on one part of the flattened pseudo-gradient at a
-time, with every accepted sender's copy of that part in hand (see ``swarm.reducer``). The math is here so it
-can be tested and benchmarked without a network.
+Where they run. The swarm's reducers call :func:`reduce_part` on one part of the pseudo-gradient at a time,
+with every accepted sender's copy of that part in hand (see ``swarm.reducer``): norm screen, then
+:func:`aggregate`, then the rescale to the accepted senders' weighted mean. :class:`GroupReduction` does
+what every member's reducer does, in one process and without a network (pre-scaling, hivemind's split into
+parts, each reducer's bans); the simulator averages through it, so its losses measure the swarm's rule.
 
 How to choose:
 
@@ -21,12 +23,21 @@ How to choose:
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 AGGREGATIONS = ("mean", "trimmed-mean", "centered-clip")
+PART_SIZE_BYTES = 2**19
+"""hivemind's and ``SwarmConfig.part_size_bytes``' default size of one all-reduce part."""
+NORM_OUTLIER_FACTOR = 20.0
+"""``SwarmConfig.norm_outlier_factor``'s default."""
 
 
 def norm_outliers(
@@ -125,3 +136,170 @@ def aggregate(vectors: Sequence[torch.Tensor], method: str) -> torch.Tensor:
     if method == "centered-clip":
         return centered_clip(vectors)
     raise ValueError(f"unknown aggregation {method!r}; choose one of {', '.join(AGGREGATIONS)}")
+
+
+@dataclass(frozen=True)
+class PartResult:
+    """What one reducer makes of one part."""
+
+    value: torch.Tensor | None
+    """The reduced part; ``None`` when nothing acceptable is left (the reducer then sends zeros)."""
+    outliers: tuple[int, ...]
+    """Sender indices the norm screen dropped from this part (the reducer drops them from its later parts
+    too, and the averager bans them for the run)."""
+    fault: str | None = None
+    """Why ``value`` is ``None``."""
+
+
+def rescale_factor(sender_weights: Sequence[float], accepted: Sequence[int]) -> float | None:
+    """Factor turning the aggregate of the ``accepted`` senders' pre-scaled parts into their weighted mean.
+
+    Inputs were scaled by ``n * w_k / W`` (``swarm.group.GroupPlan.local_scales``), so the mean over the ``a``
+    accepted ones, times ``(a / n) * (W / W_accepted)``, is ``sum_accepted w_k x_k / W_accepted``. ``None``
+    when the accepted senders hold no weight (every sender of fresh work was rejected).
+    """
+    if len(accepted) == len(sender_weights):
+        return 1.0
+    kept = math.fsum(sender_weights[i] for i in accepted)
+    if not kept > 0:
+        return None
+    return (len(accepted) / len(sender_weights)) * (math.fsum(sender_weights) / kept)
+
+
+def reduce_part(
+    parts: Mapping[int, torch.Tensor],
+    sender_weights: Sequence[float],
+    *,
+    method: str,
+    norm_factor: float,
+    claimed_weights: Sequence[float] | None = None,
+) -> PartResult:
+    """One reducer's work on one part: norm screen, ``aggregate`` with ``method``, rescale.
+
+    :param parts: sender index -> that sender's pre-scaled part, for the senders not rejected already.
+    :param sender_weights: every sender's fresh weight (0 for members with only late work), indexed like
+      ``parts``; their count is the group size ``n`` of the pre-scaling.
+    :param norm_factor: see :func:`norm_outliers`; 0 disables the screen.
+    :param claimed_weights: fresh plus late weight per sender, for the norm screen (default sender_weights).
+    """
+    claimed = sender_weights if claimed_weights is None else claimed_weights
+    order = sorted(parts)
+    screened = norm_outliers([parts[i] for i in order], norm_factor, weights=[claimed[i] for i in order])
+    outliers = tuple(order[position] for position in screened)
+    kept = [i for i in order if i not in outliers]
+    if not kept:
+        return PartResult(None, outliers, "no acceptable contribution")
+    combined = aggregate([parts[i] for i in kept], method)
+    scale = rescale_factor(sender_weights, kept)
+    if scale is None:
+        return PartResult(None, outliers, "every sender of fresh work was rejected")
+    return PartResult(combined if scale == 1.0 else (combined.double() * scale).to(combined.dtype), outliers)
+
+
+def part_size_values(part_size_bytes: int, bits_per_value: float) -> int:
+    """Values per all-reduce part of fp32 tensors sent at ``bits_per_value`` on the wire (hivemind's rule)."""
+    return max(1, int(part_size_bytes / (4 * (bits_per_value / 32))))
+
+
+def split_parts(tensors: Sequence[torch.Tensor], values_per_part: int) -> list[torch.Tensor]:
+    """hivemind's split: each tensor flattened and cut into pieces of ``values_per_part``; no part spans two
+    tensors, so a model with many small tensors has many small parts."""
+    return [part for t in tensors for part in t.detach().reshape(-1).split(values_per_part)]
+
+
+def assign_parts(part_sizes: Sequence[int], fractions: Sequence[float]) -> list[int]:
+    """The reducer (member index) of each part, as hivemind's ``TensorPartContainer`` assigns them: member
+    ``r`` owns the span ``fractions[r]`` of the concatenated vector, and a part straddling two spans goes to
+    the member holding most of it."""
+    total = sum(part_sizes)
+    pivots = (np.cumsum(fractions) / np.sum(fractions) * total).astype(np.int64)
+    pivots[-1] = total
+    owners, length, member = [], 0, 0
+    for size in part_sizes:
+        if length + size > pivots[member]:
+            first, overlaps = member, [pivots[member] - length]
+            while length + size > pivots[member]:
+                member += 1
+                overlaps.append(min(length + size, pivots[member]) - pivots[member - 1])
+            owners.append(first + int(np.argmax(overlaps)))
+        else:
+            owners.append(member)
+        length += size
+    return owners
+
+
+class GroupReduction:
+    """A fixed group's all-reduce without a network: what the swarm's reducers compute, member by member.
+
+    Each sender's tensors are pre-scaled by ``n * w_k / W``, split into parts as hivemind does, and each part
+    is reduced by its owner with :func:`reduce_part`. A sender the norm screen drops is dropped from that
+    reducer's later parts of the round and from all its parts in later rounds (the averager bans it for the
+    run); other reducers keep it until their own screen catches it. Simplification: the group never changes,
+    while in the swarm a peer that banned the sender also refuses to group with it when it leads matchmaking.
+    Reducers own equal spans (hivemind's balance for equal bandwidths).
+
+    :param members: group size ``n``.
+    :param method: one of ``AGGREGATIONS``.
+    :param norm_factor: ``SwarmConfig.norm_outlier_factor``; 0 disables the norm screen.
+    :param values_per_part: see :func:`part_size_values`.
+    """
+
+    def __init__(self, members: int, *, method: str, norm_factor: float, values_per_part: int) -> None:
+        if method not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {method!r}; choose one of {', '.join(AGGREGATIONS)}")
+        self.members, self.method, self.norm_factor = members, method, norm_factor
+        self.values_per_part = values_per_part
+        self.banned: list[dict[int, str]] = [{} for _ in range(members)]
+        """Per reducer: sender index -> why its data is dropped for the rest of the run."""
+        self.new_bans: list[tuple[int, int, str]] = []
+        """(reducer, sender, reason) for each ban the last :meth:`reduce` made."""
+        self.faults: list[str] = []
+        """Parts of the last :meth:`reduce` left without any accepted sender (reduced to zeros; the swarm
+        skips such a round)."""
+
+    @torch.no_grad()
+    def reduce(
+        self, tensors_by_sender: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]
+    ) -> list[torch.Tensor]:
+        """The group's result for one round: the accepted senders' weighted mean, part by part."""
+        if len(tensors_by_sender) != self.members or len(weights) != self.members:
+            raise ValueError(f"need {self.members} senders and weights, got {len(tensors_by_sender)}")
+        total = math.fsum(weights)
+        scales = [self.members * w / total for w in weights]
+        parts = [
+            split_parts([t * s for t in tensors], self.values_per_part)
+            for tensors, s in zip(tensors_by_sender, scales, strict=True)
+        ]
+        owners = assign_parts([p.numel() for p in parts[0]], [1.0] * self.members)
+        # Within the round a reducer drops a rejected sender from its later parts, itself included; only
+        # others are banned for the run (an averager never bans itself).
+        rejected = [dict(banned) for banned in self.banned]
+        reduced, self.new_bans, self.faults = [], [], []
+        for index, owner in enumerate(owners):
+            result = reduce_part(
+                {k: parts[k][index] for k in range(self.members) if k not in rejected[owner]},
+                weights,
+                method=self.method,
+                norm_factor=self.norm_factor,
+            )
+            for sender in result.outliers:
+                rejected[owner][sender] = (
+                    f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
+                )
+            if result.fault is not None:
+                self.faults.append(f"part {index}: {result.fault}")
+            reduced.append(result.value if result.value is not None else torch.zeros_like(parts[0][index]))
+        for owner, senders in enumerate(rejected):
+            for sender, reason in senders.items():
+                if sender != owner and sender not in self.banned[owner]:
+                    self.banned[owner][sender] = reason
+                    self.new_bans.append((owner, sender, reason))
+                    logger.debug(
+                        "Reducer %d bans sender %d for the rest of the run: %s", owner, sender, reason
+                    )
+        flat = iter(reduced)
+        out = []
+        for t in tensors_by_sender[0]:
+            count = len(t.reshape(-1).split(self.values_per_part))
+            out.append(torch.cat([next(flat) for _ in range(count)]).reshape(t.shape))
+        return out

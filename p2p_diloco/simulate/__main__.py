@@ -4,11 +4,13 @@ Example::
 
     python -m p2p_diloco.simulate --mode diloco --workers 4 --local-steps 20 --rounds 10 --json out.json
     python -m p2p_diloco.simulate --mode async-dn --speeds 1 1 1 0.4 --compression 4bit
+    python -m p2p_diloco.simulate --workers 5 --byzantine 4=-20 --aggregation centered-clip
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,9 +18,11 @@ from pathlib import Path
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.config import TrainConfig
 from p2p_diloco.config_loader import ConfigError
+from p2p_diloco.core.robust import AGGREGATIONS
 from p2p_diloco.simulate.engine import MODES, RoundRecord, SimConfig
 from p2p_diloco.simulate.modes import run
 
+logger = logging.getLogger(__name__)
 PROG = "p2p_diloco.simulate"
 # The simulator's defaults suit the tiny preset on a CPU; every TrainConfig flag can override them.
 DEFAULTS = {
@@ -30,6 +34,20 @@ DEFAULTS = {
     "outer.min_local_steps": 2,
     "data.eval_batches": 8,
 }
+
+
+def parse_byzantine(items: Sequence[str]) -> dict[int, float]:
+    """``["4=-20", ...]`` -> ``{4: -20.0}``; ``ValueError`` naming the item that cannot be read."""
+    out: dict[int, float] = {}
+    for item in items:
+        worker, sep, scale = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(worker)] = float(scale)
+        except ValueError:
+            raise ValueError(f"byzantine: cannot read {item!r}; expected WORKER=SCALE, e.g. 4=-20") from None
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,12 +67,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="per-peer link for all-reduce time; 0 = free communication",
     )
+    parser.add_argument(
+        "--aggregation",
+        default=SimConfig.aggregation,
+        help=f"all-reduce rule, one of {', '.join(AGGREGATIONS)} (as the swarm's --aggregation)",
+    )
+    parser.add_argument(
+        "--byzantine",
+        nargs="*",
+        default=[],
+        metavar="WORKER=SCALE",
+        help="hostile workers sending their pseudo-gradient times SCALE every round, e.g. 4=-20",
+    )
+    parser.add_argument(
+        "--norm-outlier-factor",
+        type=float,
+        default=SimConfig.norm_outlier_factor,
+        help="reducers drop and ban a worker whose part is this many times the median; 0 = off",
+    )
+    parser.add_argument(
+        "--part-size-bytes",
+        type=int,
+        default=SimConfig.part_size_bytes,
+        help="all-reduce part size; the screen and the robust rules act per part",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="write the result as JSON here")
     cfg, args = parse_config(parser, TrainConfig, argv, base=DEFAULTS)
     setup_logging(args.verbose)
     try:
         sim = SimConfig(
-            args.mode, args.workers, args.rounds, list(args.speeds or []), args.step_time, args.bandwidth_mbps
+            mode=args.mode,
+            workers=args.workers,
+            rounds=args.rounds,
+            speeds=list(args.speeds or []),
+            step_time_s=args.step_time,
+            bandwidth_mbps=args.bandwidth_mbps,
+            aggregation=args.aggregation,
+            byzantine=parse_byzantine(args.byzantine),
+            norm_outlier_factor=args.norm_outlier_factor,
+            part_size_bytes=args.part_size_bytes,
         )
     except ValueError as e:
         usage_error(PROG, str(e))
@@ -73,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result.total_inner_steps} inner steps, {result.total_bytes_sent_per_worker / 1e6:.3f} MB "
         f"sent per worker, {result.virtual_time_s:.1f} virtual s"
     )
+    for ban in result.bans:
+        logger.info("%s", ban)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result.as_dict(), indent=1))

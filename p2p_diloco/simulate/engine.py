@@ -5,12 +5,19 @@ data shard and an :class:`OuterState`. Compute runs for real; only time is virtu
 factor ``s`` spends ``step_time_s / s`` virtual seconds per inner step, and an all-reduce of ``S`` bytes
 over ``B`` bit/s costs the bandwidth-optimal bound ``2 (k-1)/k * S * 8 / B`` (0 when no bandwidth is
 given, i.e. free communication).
+
+The all-reduce modes (diloco, fedavg, eager) average through :class:`core.robust.GroupReduction`: the
+swarm reducers' own rule, part by part, with the norm screen and bans. Byzantine workers send their
+pseudo-gradient multiplied by a scale there (the swarm fault ``byzantine@E=SCALE``, in every round), so the
+loss of a run with an attacker measures what ``SwarmConfig.aggregation`` protects.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,10 +26,19 @@ from p2p_diloco.build import LocalSetup, build_local
 from p2p_diloco.config import TrainConfig
 from p2p_diloco.core.delayed import StalenessPolicy
 from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.core.robust import (
+    AGGREGATIONS,
+    NORM_OUTLIER_FACTOR,
+    PART_SIZE_BYTES,
+    GroupReduction,
+    part_size_values,
+)
 
 logger = logging.getLogger(__name__)
 
 MODES = ("ddp", "diloco", "fedavg", "async", "async-dn", "eager")
+ALLREDUCE_MODES = ("diloco", "fedavg", "eager")
+"""Modes whose workers average with each other (the others have a server or average gradients)."""
 
 
 @dataclass
@@ -41,6 +57,22 @@ class SimConfig:
     """Virtual seconds an inner step takes at speed 1.0."""
     bandwidth_mbps: float = 0.0
     """Per-peer link speed for the all-reduce time; 0 makes communication free."""
+    aggregation: str = "mean"
+    """How the all-reduce combines the workers' pseudo-gradients, as ``SwarmConfig.aggregation``: ``mean``
+    (exact, trusting), ``trimmed-mean`` or ``centered-clip`` (bound what a hostile worker can do; see
+    ``core.robust``). Other than ``mean`` only in the all-reduce modes (diloco, fedavg, eager)."""
+    byzantine: dict[int, float] = field(default_factory=dict)
+    """Hostile workers: worker index -> the scale it multiplies the pseudo-gradient it sends by, in every
+    round (its own copy stays honest), e.g. ``{4: -20.0}`` for a scaled sign flip. The swarm fault
+    ``byzantine@E=SCALE`` does the same for one epoch. At least one worker must stay honest (the first
+    honest one is evaluated); all-reduce modes only."""
+    norm_outlier_factor: float = NORM_OUTLIER_FACTOR
+    """``SwarmConfig.norm_outlier_factor``: reducers drop (and ban for the run) a worker whose part is longer
+    than this many times the group's median, before the aggregation; 0 disables the screen (to compare the
+    aggregation rules alone), otherwise at least 2."""
+    part_size_bytes: int = PART_SIZE_BYTES
+    """``SwarmConfig.part_size_bytes``: the all-reduce reduces parts of this many wire bytes one at a time
+    (the screen and the robust rules act per part), 1 KiB-64 MiB."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,6 +91,30 @@ class SimConfig:
             raise ValueError(f"step_time_s: must be > 0, got {self.step_time_s}")
         if self.bandwidth_mbps < 0:
             raise ValueError(f"bandwidth_mbps: must be >= 0, got {self.bandwidth_mbps}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"aggregation: must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"
+            )
+        self.byzantine = {int(i): float(scale) for i, scale in self.byzantine.items()}
+        if any(not 0 <= i < self.workers for i in self.byzantine):
+            raise ValueError(
+                f"byzantine: worker indices must be in [0, {self.workers}), got {sorted(self.byzantine)}"
+            )
+        if any(not math.isfinite(scale) for scale in self.byzantine.values()):
+            raise ValueError(f"byzantine: scales must be finite numbers, got {self.byzantine}")
+        if len(self.byzantine) >= self.workers:
+            raise ValueError("byzantine: at least one worker must stay honest")
+        if (self.byzantine or self.aggregation != "mean") and self.mode not in ALLREDUCE_MODES:
+            raise ValueError(
+                f"aggregation and byzantine apply to the all-reduce modes ({', '.join(ALLREDUCE_MODES)}), "
+                f"not to {self.mode}"
+            )
+        if not (self.norm_outlier_factor == 0 or 2 <= self.norm_outlier_factor <= 1e12):
+            raise ValueError(
+                f"norm_outlier_factor: must be 0 (off) or in [2, 1e12], got {self.norm_outlier_factor}"
+            )
+        if not 1024 <= self.part_size_bytes <= 64 * 2**20:
+            raise ValueError(f"part_size_bytes: must be in [1024, {64 * 2**20}], got {self.part_size_bytes}")
 
 
 @dataclass
@@ -80,11 +136,16 @@ class SimResult:
     model: str
     seed: int
     initial_eval_loss: float
+    aggregation: str = "mean"
+    byzantine: dict[int, float] = field(default_factory=dict)
+    norm_outlier_factor: float = NORM_OUTLIER_FACTOR
     final_eval_loss: float = float("nan")
     total_inner_steps: int = 0
     total_bytes_sent_per_worker: int = 0
     virtual_time_s: float = 0.0
     rounds: list[RoundRecord] = field(default_factory=list)
+    bans: list[str] = field(default_factory=list)
+    """"reducer R banned worker W in round N: reason", one entry per ban (the norm screen's catches)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -136,3 +197,23 @@ def allreduce_bytes(nbytes: int, workers: int) -> int:
     if workers < 2:
         return 0
     return int(round(2 * (workers - 1) / workers * nbytes))
+
+
+def group_reduction(sim: SimConfig, state: OuterState) -> GroupReduction:
+    """The all-reduce of ``sim.workers`` workers, cut into parts as the swarm cuts them for ``state``'s codec."""
+    values = part_size_values(sim.part_size_bytes, state.codec.bits_per_value())
+    return GroupReduction(
+        sim.workers, method=sim.aggregation, norm_factor=sim.norm_outlier_factor, values_per_part=values
+    )
+
+
+def sent_by(sim: SimConfig, worker: Worker, decoded: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """What ``worker`` puts into the all-reduce: its decoded pseudo-gradient, scaled if it is Byzantine."""
+    scale = sim.byzantine.get(worker.index)
+    return decoded if scale is None else [t * scale for t in decoded]
+
+
+def record_bans(result: SimResult, reduction: GroupReduction, rnd: int) -> None:
+    """Add the bans of ``reduction``'s last round to ``result.bans``."""
+    for reducer, worker, reason in reduction.new_bans:
+        result.bans.append(f"reducer {reducer} banned worker {worker} in round {rnd}: {reason}")

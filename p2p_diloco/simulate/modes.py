@@ -16,14 +16,14 @@ import copy
 import heapq
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from p2p_diloco.config import TrainConfig
-from p2p_diloco.core.delayed import Contribution, DelayedNesterov, NaiveAsyncNesterov, aggregate_round
+from p2p_diloco.core.delayed import DelayedNesterov, NaiveAsyncNesterov, RoundAggregate, summarize_round
 from p2p_diloco.core.dylu import DyLU
-from p2p_diloco.core.pseudograd import weighted_mean
+from p2p_diloco.core.robust import GroupReduction
 from p2p_diloco.simulate.engine import (
     RoundRecord,
     SimConfig,
@@ -32,6 +32,9 @@ from p2p_diloco.simulate.engine import (
     allreduce_bytes,
     allreduce_seconds,
     build_workers,
+    group_reduction,
+    record_bans,
+    sent_by,
 )
 from p2p_diloco.trainer import InnerTrainer, evaluate_model
 
@@ -61,7 +64,29 @@ def _result(cfg: TrainConfig, sim: SimConfig, initial: float) -> SimResult:
         model=cfg.model.model,
         seed=cfg.run.seed,
         initial_eval_loss=initial,
+        aggregation=sim.aggregation,
+        byzantine=dict(sim.byzantine),
+        norm_outlier_factor=sim.norm_outlier_factor,
     )
+
+
+def _allreduce(
+    reduction: GroupReduction,
+    sent: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    result: SimResult,
+    rnd: int,
+) -> list[torch.Tensor]:
+    """The group's reduced pseudo-gradient, as the swarm's reducers compute it; bans go to the result."""
+    mean = reduction.reduce(sent, weights)
+    record_bans(result, reduction, rnd)
+    if reduction.faults:
+        logger.warning(
+            "Round %d: parts reduced to zeros (the swarm would skip the round): %s",
+            rnd,
+            "; ".join(reduction.faults),
+        )
+    return mean
 
 
 def _record(
@@ -85,33 +110,41 @@ def run_sync(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None)
     """diloco and fedavg: every worker runs H steps from the shared anchors, then one outer step."""
     lr, momentum = (1.0, 0.0) if sim.mode == "fedavg" else (cfg.outer.lr, cfg.outer.momentum)
     workers = build_workers(cfg, sim, lr=lr, momentum=momentum)
+    reduction = group_reduction(sim, workers[0].state)
+    judge = next(w for w in workers if w.index not in sim.byzantine)
     H = cfg.outer.local_steps
-    result = _result(cfg, sim, _eval(workers[0]))
+    result = _result(cfg, sim, _eval(judge))
     clock, steps, sent = 0.0, 0, 0
     for rnd in range(1, sim.rounds + 1):
-        contributions, nbytes = [], 0
+        sent_all, weights, nbytes = [], [], 0
         for w in workers:
             stats = w.local.trainer.train_steps(H)
             decoded, nbytes = w.state.encode(w.state.pseudo_gradient(w.params))
-            contributions.append(Contribution(decoded, weight=stats.samples, peer_id=str(w.index)))
+            sent_all.append(sent_by(sim, w, decoded))
+            weights.append(float(stats.samples))
             steps += H
-        aggregate = aggregate_round(contributions, workers[0].state.policy)
+        mean = _allreduce(reduction, sent_all, weights, result, rnd)
+        stats = summarize_round(
+            weights, [0] * sim.workers, workers[0].state.policy, [str(i) for i in range(sim.workers)]
+        )
         # The reduced result travels back through the same codec.
-        aggregate.fresh_mean = [workers[0].state.codec.roundtrip(t) for t in aggregate.fresh_mean]
+        aggregate = RoundAggregate([workers[0].state.codec.roundtrip(t) for t in mean], None, stats)
         for w in workers:
             w.state.apply(aggregate, w.params)
         phase = max(H * sim.step_time_s / w.speed for w in workers)
         clock += phase + allreduce_seconds(nbytes, sim.workers, sim.bandwidth_mbps)
         sent += allreduce_bytes(nbytes, sim.workers)
-        _record(result, rnd, _eval(workers[0]), clock, sent, steps, progress)
+        _record(result, rnd, _eval(judge), clock, sent, steps, progress)
     return result
 
 
 def run_eager(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None) -> SimResult:
     """Eager: round t's average is used in round t+1, with the own term always fresh."""
     workers = build_workers(cfg, sim, lr=cfg.outer.lr, momentum=cfg.outer.momentum)
+    reduction = group_reduction(sim, workers[0].state)
+    judge = next(w for w in workers if w.index not in sim.byzantine)
     H = cfg.outer.local_steps
-    result = _result(cfg, sim, _eval(workers[0]))
+    result = _result(cfg, sim, _eval(judge))
     clock, steps, sent = 0.0, 0, 0
     prev_avg: list[torch.Tensor] | None = None
     prev_shares: list[float] = []
@@ -122,19 +155,20 @@ def run_eager(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None
             delta = [t.clone() for t in w.state.pseudo_gradient(w.params)]
             decoded, nbytes = w.state.encode(delta)
             fresh.append(delta)
-            decoded_all.append(decoded)
+            decoded_all.append(sent_by(sim, w, decoded))
             weights.append(float(stats.samples))
             steps += H
         for w, own in zip(workers, fresh, strict=True):
             share = prev_shares[w.index] if prev_avg is not None else None
             w.state.apply_eager(own, prev_avg, sim.workers, w.params, own_share=share)
         # Launched now, used next round: the all-reduce hides behind the next inner phase.
-        prev_avg = [workers[0].state.codec.roundtrip(t) for t in weighted_mean(decoded_all, weights)]
+        mean = _allreduce(reduction, decoded_all, weights, result, rnd)
+        prev_avg = [workers[0].state.codec.roundtrip(t) for t in mean]
         prev_shares = [x / sum(weights) for x in weights]
         phase = max(H * sim.step_time_s / w.speed for w in workers)
         clock += max(phase, allreduce_seconds(nbytes, sim.workers, sim.bandwidth_mbps))
         sent += allreduce_bytes(nbytes, sim.workers)
-        _record(result, rnd, _eval(workers[0]), clock, sent, steps, progress)
+        _record(result, rnd, _eval(judge), clock, sent, steps, progress)
     return result
 
 

@@ -11,7 +11,7 @@ the part is reduced) and only when all have arrived:
 2. drops parts whose weight-normalised L2 norm is more than ``norm_factor`` times the median
    (``core.robust.norm_outliers``);
 3. combines the rest with ``mean``, ``trimmed-mean`` or ``centered-clip``, and rescales so that the result is
-   the weighted mean over the accepted senders (see ``_rescale``).
+   the weighted mean over the accepted senders (``core.robust.reduce_part`` does 2 and 3).
 
 A rejected sender is not cut off: it keeps streaming and receives the same averaged bytes as everyone else,
 so every member (even a buggy one) ends the round with identical values; its data just is not in them.
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 
-from p2p_diloco.core.robust import aggregate, norm_outliers
+from p2p_diloco.core.robust import reduce_part
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RobustPartReducer(TensorPartReducer):
     :param part_dtype: the dtype every part must arrive in (that of our own input parts).
     :param sender_ids: base58 ids of the senders, in hivemind's sender order.
     :param sender_weights: each sender's fresh weight in the plan (0 for members with only stale work); the
-      pre-scaled inputs are renormalised by the accepted ones, see ``_rescale``.
+      pre-scaled inputs are renormalised by the accepted ones (``core.robust.rescale_factor``).
     :param claimed_weights: each sender's fresh plus late weight, for the norm screen (default: sender_weights).
     :param method: one of ``core.robust.AGGREGATIONS``.
     :param norm_factor: ``SwarmConfig.norm_outlier_factor``; 0 disables the norm screen.
@@ -131,40 +131,19 @@ class RobustPartReducer(TensorPartReducer):
         if self.current_part_accumulated_from < self.num_current_senders:
             return
         accepted = {i: t for i, t in self._received.items() if i not in self.rejections}
-        order = sorted(accepted)
-        weights = [self.claimed_weights[i] for i in order]
-        for position in norm_outliers([accepted[i] for i in order], self.norm_factor, weights=weights):
-            index = order[position]
+        # The same function the simulator reduces with (core.robust.GroupReduction), so its losses are ours.
+        result = reduce_part(accepted, self.sender_weights, method=self.method, norm_factor=self.norm_factor,
+                             claimed_weights=self.claimed_weights)
+        for index in result.outliers:
             self.rejections[index] = f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
-            del accepted[index]
-        self.current_part_future.set_result(self._reduce(accepted))
+        if result.fault is not None:
+            self.reduce_faults.append(f"part {self.current_part_index}: {result.fault}")
+        value = result.value
+        if value is None:
+            value = torch.zeros(self.part_shapes[self.current_part_index], dtype=self.part_dtype)
+        self.current_part_future.set_result(value)
         self._received = {}
         self.reset_accumulators()
-
-    def _reduce(self, accepted: dict[int, torch.Tensor]) -> torch.Tensor:
-        shape = self.part_shapes[self.current_part_index]
-        if not accepted:
-            self.reduce_faults.append(f"part {self.current_part_index}: no acceptable contribution")
-            return torch.zeros(shape, dtype=self.part_dtype)
-        order = sorted(accepted)
-        combined = aggregate([accepted[i] for i in order], self.method)
-        scale = self._rescale(order)
-        if scale is None:
-            self.reduce_faults.append(f"part {self.current_part_index}: every sender of fresh work was rejected")
-            return torch.zeros(shape, dtype=self.part_dtype)
-        return combined if scale == 1.0 else (combined.double() * scale).to(self.part_dtype)
-
-    def _rescale(self, accepted: Sequence[int]) -> float | None:
-        """Factor turning the aggregate of the accepted pre-scaled parts into the accepted senders' weighted
-        mean: inputs were scaled by ``n * w_k / W`` (``group.GroupPlan.local_scales``), so the mean over the
-        ``a`` accepted ones, times ``(a / n) * (W / W_accepted)``, is ``sum_accepted w_k x_k / W_accepted``."""
-        if len(accepted) == self.num_senders:
-            return 1.0
-        total = math.fsum(self.sender_weights)
-        kept = math.fsum(self.sender_weights[i] for i in accepted)
-        if not kept > 0:
-            return None
-        return (len(accepted) / self.num_senders) * (total / kept)
 
     def rejected(self) -> dict[str, str]:
         """``{sender id: reason}`` for every sender whose data this reducer dropped."""
