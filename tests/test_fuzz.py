@@ -3,9 +3,11 @@ well-typed-but-wrong structures must end in the documented rejection, never in a
 
 Decoders covered: the core codecs' ``decode``; the hivemind adapter's ``CodecCompression.extract``; the
 gathered group metadata (``group.decode_gather``, ``MemberInfo.from_wire``, and ``plan_group`` over a whole
-gathered list); progress records (``records._parse_progress``, the pydantic ``ProgressRecord`` schema the DHT
-validator applies); a donor's state metadata (``state.check_state_metadata``); the reducer's per-part check
-(``reducer.check_part``); and the ``allowed_peers`` file.
+gathered list); signed DHT records (``signing.RecordGuard`` on arbitrary and on nearly valid records,
+``signing.parse_signed_subkey``); progress and checksum records as read back (``records._parse_progress``,
+``records._parse_checksum``, the pydantic ``ProgressRecord`` schema); a donor's state metadata
+(``state.check_state_metadata``); the reducer's per-part check (``reducer.check_part``); and the
+``allowed_peers`` file.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import ValueWithExpiration
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,13 +35,32 @@ from p2p_diloco.core.codecs import get_codec
 from p2p_diloco.core.hivemind_codecs import CodecCompression
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.group import MemberInfo, decode_gather, encode_gather, plan_group
-from p2p_diloco.swarm.records import ProgressRecord, _parse_progress
+from p2p_diloco.swarm.records import (
+    PeerProgress,
+    ProgressRecord,
+    ProgressSchema,
+    _parse_checksum,
+    _parse_progress,
+    progress_key,
+)
 from p2p_diloco.swarm.reducer import check_part
+from p2p_diloco.swarm.signing import (
+    REJECTED_RECORD_KINDS,
+    RecordGuard,
+    Rejection,
+    parse_signed_subkey,
+    peer_id_of_public_key,
+    signed_subkey,
+)
 from p2p_diloco.swarm.state import check_state_metadata, make_state_metadata
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FINGERPRINT = "abcdef0123456789"
 PEER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+KEY = RSAPrivateKey()
+KEY_PEER = peer_id_of_public_key(KEY.get_public_key().to_bytes())
+SIGNED = signed_subkey(KEY_PEER, KEY)
+GUARD = RecordGuard(schemas=[SchemaValidator(ProgressSchema, prefix="run")], signed_keys=[progress_key("run")])
 
 # msgpack-encodable values, nested a little: what a hostile peer can put in any field
 scalars = st.one_of(
@@ -129,6 +155,12 @@ def test_plan_group_survives_garbage_members(garbage: list[bytes]) -> None:
     assert ids[0] in plan.peer_ids and len(plan.peer_ids) + len(plan.refused) == len(ids)
 
 
+def _rejected_or(parsed: object, kind: type) -> bool:
+    if isinstance(parsed, Rejection):
+        return parsed.kind in REJECTED_RECORD_KINDS and (parsed.owner is None or isinstance(parsed.owner, str))
+    return parsed is None or isinstance(parsed, kind)
+
+
 @FUZZ
 @given(subkey=values, value=values, expiration=st.one_of(st.floats(allow_nan=True), st.integers(), st.none()),
        mutate=st.dictionaries(st.sampled_from(["epoch", "inner_step", "steps_per_s", "time", "fingerprint",
@@ -138,13 +170,48 @@ def test_progress_records_parse_or_give_a_reason(subkey: object, value: object, 
     good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
                 fingerprint=FINGERPRINT, time=1.0, client_mode=False)
     record = {**good, **mutate} if mutate else value
-    for key in (subkey, PEER):
+    for key in (subkey, PEER, SIGNED, SIGNED[:-2] + b"A]", PEER.encode() + SIGNED[len(KEY_PEER.to_base58()):]):
         parsed = _parse_progress(key, ValueWithExpiration(record, expiration), now=0.0)
-        assert isinstance(parsed, str) or parsed.epoch >= 0
+        assert _rejected_or(parsed, PeerProgress), parsed
+        if isinstance(parsed, PeerProgress):
+            assert key == SIGNED and parsed.peer_id == KEY_PEER.to_base58() and parsed.epoch >= 0
     try:
         ProgressRecord.parse_obj(record)
     except ValidationError:
         pass
+
+
+@FUZZ
+@given(subkey=values, value=values, expiration=st.one_of(st.floats(allow_nan=True), st.integers(), st.none()))
+def test_checksum_records_parse_or_give_a_reason(subkey: object, value: object, expiration: object) -> None:
+    for key in (subkey, SIGNED):
+        for digest in (value, "a" * 64):
+            parsed = _parse_checksum(key, ValueWithExpiration(digest, expiration), now=0.0)
+            assert _rejected_or(parsed, tuple), parsed
+            if isinstance(parsed, tuple):
+                assert parsed == (KEY_PEER.to_base58(), "a" * 64)
+
+
+@FUZZ
+@given(key=st.one_of(st.binary(max_size=40), st.just(DHTID.generate(source="run_progress").to_bytes())),
+       subkey=st.one_of(st.binary(max_size=80), st.just(MSGPackSerializer.dumps(SIGNED))),
+       value=st.binary(max_size=200), expiration=st.floats(allow_nan=True), sign=st.booleans())
+def test_record_guard_judges_any_record(key: bytes, subkey: bytes, value: bytes, expiration: float,
+                                        sign: bool) -> None:
+    record = DHTRecord(key, subkey, value, expiration)
+    if sign:
+        record = DHTRecord(key, subkey, RSASignatureValidator(KEY).sign_value(record), expiration)
+    verdict = GUARD.judge(record)
+    assert verdict is None or (verdict.kind in REJECTED_RECORD_KINDS
+                               and verdict.owner in (None, KEY_PEER.to_base58())), verdict
+    assert GUARD.validate(record) == (verdict is None)
+
+
+@FUZZ
+@given(subkey=st.one_of(values, st.binary(max_size=600), st.just(SIGNED)))
+def test_signed_subkeys_parse_or_give_a_reason(subkey: object) -> None:
+    parsed = parse_signed_subkey(subkey)
+    assert isinstance(parsed, str) or (subkey == SIGNED and parsed == (KEY_PEER.to_base58(),) * 2)
 
 
 @FUZZ

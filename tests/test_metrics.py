@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -9,14 +10,16 @@ import time
 import urllib.request
 
 import pytest
-from hivemind.utils import get_dht_time
+from hivemind.dht.routing import DHTID
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2p_diloco.cli import run_bootstrap
 from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay, SwarmExporter, rejection_kind
-from p2p_diloco.monitoring.peer_metrics import REJECTION_REASONS
+from p2p_diloco.monitoring.peer_metrics import RECORD_REJECTION_REASONS, REJECTION_REASONS
 from p2p_diloco.peer.session import RoundReport
 from p2p_diloco.swarm import SwarmConfig, publish_progress, start_dht
+from p2p_diloco.swarm.signing import own_subkey
 from p2p_diloco.trainer import InnerStats
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,6 +47,7 @@ def test_counters_grow_by_what_each_round_reports() -> None:
     assert value(m, "p2p_diloco_rounds_total", outcome="skipped") == 0
     assert value(m, "p2p_diloco_sent_bytes_total", codec="int8") == 0
     assert all(value(m, "p2p_diloco_rejected_contributions_total", reason=r) == 0 for r in REJECTION_REASONS)
+    assert all(value(m, "p2p_diloco_rejected_dht_records_total", reason=r) == 0 for r in RECORD_REJECTION_REASONS)
     assert math.isnan(value(m, "p2p_diloco_checkpoint_age_seconds"))
 
     m.status("training", 3)
@@ -58,7 +62,9 @@ def test_counters_grow_by_what_each_round_reports() -> None:
     assert value(m, "p2p_diloco_phase", phase="training") == 0
 
     m.round(report(staleness=[0, 2, 0], late_folded=1,
-                   rejected=["QmA: epoch 3 differs from ours 4", "QmB: tensor 2 holds NaN values"]),
+                   rejected=["QmA: epoch 3 differs from ours 4", "QmB: tensor 2 holds NaN values"],
+                   rejected_records={"unsigned": 3, "wrong_owner": 1, "a_future_kind": 2},
+                   record_bans=["QmC: signed a DHT record rejected as wrong_owner"]),
             stats(10, 2560, 20.0))
     assert value(m, "p2p_diloco_sent_bytes_total", codec="int8") == 1000
     assert value(m, "p2p_diloco_received_bytes_total", codec="int8") == 2000
@@ -76,6 +82,10 @@ def test_counters_grow_by_what_each_round_reports() -> None:
     assert value(m, "p2p_diloco_late_contribution_staleness_rounds_sum") == 2
     assert value(m, "p2p_diloco_rejected_contributions_total", reason="wrong_epoch") == 1
     assert value(m, "p2p_diloco_rejected_contributions_total", reason="non_finite") == 1
+    assert value(m, "p2p_diloco_rejected_dht_records_total", reason="unsigned") == 3
+    assert value(m, "p2p_diloco_rejected_dht_records_total", reason="wrong_owner") == 1
+    assert value(m, "p2p_diloco_rejected_dht_records_total", reason="other") == 2
+    assert value(m, "p2p_diloco_rejected_dht_records_total", reason="a_future_kind") is None  # bounded labels
 
     # A second round adds exactly its own numbers; a resync (no all-reduce) adds none to the histograms.
     m.round(report(bytes_sent=300, bytes_received=500, allreduce_seconds=4.0), stats(8, 2048, 16.0))
@@ -147,6 +157,12 @@ def test_metrics_endpoint_serves_the_registry() -> None:
     assert not any(name.startswith("process_") for name, _ in samples)  # only this peer's series
 
 
+async def _plant(_dht: object, node: object, key: str, subkey: object, value: object) -> None:
+    """Runs in a DHT's process: put a record straight into its storage, past the guard."""
+    storage = node.protocol.storage  # type: ignore[attr-defined]
+    storage.store_subkey(DHTID.generate(source=key), subkey, MSGPackSerializer.dumps(value), get_dht_time() + 60)
+
+
 def test_swarm_exporter_reads_peers_progress_from_the_dht() -> None:
     boot = start_dht(SwarmConfig.for_loopback())
     peers = []
@@ -173,13 +189,21 @@ def test_swarm_exporter_reads_peers_progress_from_the_dht() -> None:
                          tokens_per_s=100.0, fingerprint="abcdef12", ttl_s=60)
         exporter.poll_once()
         assert get("p2p_diloco_swarm_rounds_completed_total", {"run_id": "mx"}) == 6
-        peers[0].store("mx_progress", None, expiration_time=get_dht_time() + 60,
-                       subkey=peers[0].peer_id.to_base58())
+        peers[0].store("mx_progress", None, expiration_time=get_dht_time() + 60, subkey=own_subkey(peers[0]))
         exporter.poll_once()
         assert get("p2p_diloco_swarm_peers_online", {"run_id": "mx"}) == 1
         assert get("p2p_diloco_swarm_epoch", {"run_id": "mx"}) == 3
         assert get("p2p_diloco_swarm_rounds_completed_total", {"run_id": "mx"}) == 6
         assert get("p2p_diloco_swarm_dht_reads_total", {"run_id": "mx", "result": "ok"}) == 3
+        assert get("p2p_diloco_swarm_rejected_dht_records_total", {"reason": "unsigned"}) == 0
+
+        # A node holding a record under a bare peer id (unsigned, as a node without the guard would): its
+        # answer is dropped on receipt, counted, and changes nothing.
+        forged = functools.partial(_plant, key="mx_progress", subkey="QmForged", value=dict(epoch=99))
+        peers[1].run_coroutine(forged)
+        exporter.poll_once()
+        assert get("p2p_diloco_swarm_epoch", {"run_id": "mx"}) == 3
+        assert get("p2p_diloco_swarm_rejected_dht_records_total", {"reason": "unsigned"}) >= 1
     finally:
         for node in [*peers, boot]:
             node.shutdown()

@@ -17,6 +17,7 @@ from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usag
 from p2p_diloco.config import _RUN_ID
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
+from p2p_diloco.swarm.records import install_validators
 
 logger = logging.getLogger(__name__)
 PROG = "run_bootstrap"
@@ -48,7 +49,8 @@ class BootstrapConfig:
     on this port (0.0.0.0), read from the progress records peers publish in the DHT. Default: none."""
 
     monitor_run_ids: list[str] = field(default_factory=lambda: ["p2p-diloco-demo"])
-    """The runs (--run-id of the peers) whose progress the swarm metrics report; one DHT can carry several."""
+    """The runs (--run-id of the peers) this node guards and reports on: it drops unsigned and malformed
+    progress records of these runs on receipt, and the swarm metrics show them. One DHT can carry several."""
 
     monitor_interval_s: float = 5.0
     """Seconds between reads of the peers' progress records. Keep it at or below Prometheus'
@@ -93,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        for run_id in cfg.monitor_run_ids:
+            install_validators(dht, run_id)
         addrs = [a for a in visible_maddrs(dht) if "/p2p-circuit" not in a]
         print(f"bootstrap node {dht.peer_id} is up. Volunteers join with:", flush=True)
         print(f"  run_peer --initial-peers {' '.join(addrs)}", flush=True)
@@ -110,10 +114,7 @@ def _serve_swarm_metrics(cfg: BootstrapConfig, dht) -> None:
     from prometheus_client import start_http_server
 
     from p2p_diloco.monitoring import SwarmExporter
-    from p2p_diloco.swarm.records import install_validators
 
-    for run_id in cfg.monitor_run_ids:
-        install_validators(dht, run_id)
     exporter = SwarmExporter(dht, cfg.monitor_run_ids, interval_s=cfg.monitor_interval_s)
     try:
         start_http_server(cfg.metrics_port, registry=exporter.registry)

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily
 
 from p2p_diloco.peer.session import RoundReport, SessionListener
+from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS
 from p2p_diloco.trainer import InnerStats
 
 PREFIX = "p2p_diloco_"
@@ -50,6 +51,9 @@ REJECTION_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("timeout", ("timeout", "timed out")),
 )
 REJECTION_REASONS = tuple(kind for kind, _ in REJECTION_KINDS) + ("other",)
+RECORD_REJECTION_REASONS = (*REJECTED_RECORD_KINDS, "other")
+"""Labels of ``rejected_dht_records``: the kinds of ``swarm.signing`` (unsigned, bad_signature, wrong_owner,
+malformed, oversized), "other" for any kind a newer peer version reports."""
 
 
 def rejection_kind(entry: str) -> str:
@@ -128,6 +132,10 @@ class PeerMetrics(SessionListener):
         r.register(_ServedCollector(served_downloads))
         self.rejected = Counter(PREFIX + "rejected_contributions",
                                 "Group members or donors refused, by kind of reason.", ["reason"], registry=r)
+        self.rejected_records = Counter(PREFIX + "rejected_dht_records",
+                                        "DHT records dropped on receipt or when read, each counted once, by "
+                                        "kind (unsigned, bad_signature, wrong_owner, malformed, oversized).",
+                                        ["reason"], registry=r)
         self.checkpoint_age = Gauge(PREFIX + "checkpoint_age_seconds",
                                     "Seconds since the last checkpoint was written (NaN before the first).",
                                     registry=r)
@@ -139,6 +147,8 @@ class PeerMetrics(SessionListener):
             self.phase.labels(phase).set(1 if phase == "starting" else 0)
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
+        for reason in RECORD_REJECTION_REASONS:
+            self.rejected_records.labels(reason)
         for result in ("ok", "failed"):
             self.downloads_received.labels(result)
         self.sent.labels(codec)
@@ -189,6 +199,8 @@ class PeerMetrics(SessionListener):
                     self.staleness.observe(s)
         for entry in _rejections(report):
             self.rejected.labels(rejection_kind(entry)).inc()
+        for kind, count in (getattr(report, "rejected_records", None) or {}).items():
+            self.rejected_records.labels(kind if kind in RECORD_REJECTION_REASONS else "other").inc(max(0, int(count)))
 
     def swarm(self, peers_visible: int, swarm_epoch: int | None) -> None:
         self.peers_visible.set(peers_visible)

@@ -6,6 +6,9 @@ trusts a peer more than the DHT records do: values come from :func:`p2p_diloco.s
 which validates every record and drops expired ones, so a peer that stops publishing disappears from
 ``p2p_diloco_swarm_peers_online`` once its record's TTL (``--progress-ttl-s`` of the peers) runs out.
 
+Records this node drops (unsigned, forged, malformed: see :mod:`p2p_diloco.swarm.signing`) are counted in
+``p2p_diloco_swarm_rejected_dht_records_total{reason}``; their signers are skipped from then on.
+
 A background thread reads the DHT every ``interval_s`` seconds; scrapes serve the last snapshot, so a slow
 DHT never makes Prometheus time out. Choose ``interval_s`` at or below the Prometheus scrape interval.
 """
@@ -22,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from p2p_diloco.swarm.records import PeerProgress, fetch_progress, global_epoch
+from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS, record_audit
 
 logger = logging.getLogger(__name__)
 PREFIX = "p2p_diloco_swarm_"
@@ -60,6 +64,7 @@ class SwarmExporter:
         self.interval_s = float(interval_s)
         self._lock = threading.Lock()
         self._views = {run: RunView() for run in self.run_ids}
+        self._rejected: dict[str, int] = dict.fromkeys(REJECTED_RECORD_KINDS, 0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registry = registry or CollectorRegistry(auto_describe=True)
@@ -92,6 +97,10 @@ class SwarmExporter:
                 view.records, view.epoch, view.read_time = records, epoch, time.time()
                 view.rounds_completed = max(view.rounds_completed, epoch or 0)
                 view.reads_ok += 1
+        counts, _bans = record_audit(self.dht).take_report()  # the bans are logged and applied by the reader
+        with self._lock:
+            for kind, count in counts.items():
+                self._rejected[kind] = self._rejected.get(kind, 0) + count
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -106,6 +115,7 @@ class SwarmExporter:
         with self._lock:
             views = {run: RunView(list(v.records), v.epoch, v.rounds_completed, v.read_time, v.reads_ok,
                                   v.reads_failed) for run, v in self._views.items()}
+            rejected_counts = dict(self._rejected)
         now = time.time()
         g = {name: GaugeMetricFamily(PREFIX + name, doc, labels=labels) for name, doc, labels in (
             ("peers_online", "Peers with an unexpired progress record.", ["run_id"]),
@@ -139,6 +149,11 @@ class SwarmExporter:
             rounds.add_metric([run], view.rounds_completed)
             reads.add_metric([run, "ok"], view.reads_ok)
             reads.add_metric([run, "failed"], view.reads_failed)
+        rejected = CounterMetricFamily(PREFIX + "rejected_dht_records", "DHT records this node dropped, each "
+                                       "counted once, by kind.", labels=["reason"])
+        for kind, count in rejected_counts.items():
+            rejected.add_metric([kind], count)
         yield from g.values()
         yield rounds
         yield reads
+        yield rejected

@@ -80,6 +80,7 @@ from p2p_diloco.swarm import (
     start_dht,
     visible_maddrs,
 )
+from p2p_diloco.swarm.signing import record_audit
 from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,10 @@ class RoundReport:
     """How many late contributions (any member's) this round applied."""
     rejected: list[str] = field(default_factory=list)
     """Hostile or unauthorised input rejected at receipt, as "peer id: reason"; those peers are banned."""
+    rejected_records: dict[str, int] = field(default_factory=dict)
+    """DHT records dropped since the last round, by kind (``swarm.signing``); ``record_bans`` lists the
+    writers banned for a record they signed, as "peer id: reason"."""
+    record_bans: list[str] = field(default_factory=list)
     blocked_seconds: float = 0.0
     """How long training waited for the network this round (the whole all-reduce when blocking; with eager
     overlap only the wait for the previous round's background all-reduce)."""
@@ -352,6 +357,7 @@ class SwarmSession:
         report.new_epoch = self.epoch
         report.params_sha256 = params_sha256(self.state.anchors)
         self._publish_progress()
+        report.rejected_records, report.record_bans = record_audit(self.dht).take_report()
         self._notify("round", report, stats)
         return report
 
@@ -490,6 +496,8 @@ class SwarmSession:
 
     def _records(self) -> list:
         records = [r for r in fetch_progress(self.dht, self.cfg.swarm.run_id) if r.fingerprint == self.fingerprint]
+        for peer, reason in record_audit(self.dht).take_bans().items():  # the readers skip them already
+            self.averager.ban(peer, reason)
         self.peers_visible = len(records)
         if any(r.peer_id != self.peer_id for r in records):
             self._last_seen_others = time.monotonic()

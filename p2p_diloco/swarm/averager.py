@@ -252,6 +252,22 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
             return RoundResult("skipped", f"round failed: {e!r}", epoch)
         return self._make_result(report, epoch, budget)
 
+    def ban(self, peer_id: str, reason: str) -> MPFuture:
+        """Ban ``peer_id`` for the rest of the run in the averager process, where matchmaking, the all-reduce
+        and state downloads are served (e.g. for a malformed DHT record it signed). The future resolves once
+        the ban applies; a ban while the process is down is dropped with a warning."""
+        future: MPFuture = MPFuture()
+        if not self.is_alive():
+            logger.warning("Could not ban %s: the averager process is not running", peer_id)
+            future.set_result(None)
+            return future
+        self._outer_pipe.send(("_ban_requested", [], dict(peer_id=peer_id, reason=reason, future=future)))
+        return future
+
+    async def _ban_requested(self, peer_id: str, reason: str, future: MPFuture) -> None:
+        self._ban({peer_id: reason})
+        future.set_result(None)
+
     @contextlib.contextmanager
     def _locked_buffers(self, timeout: float) -> Iterator[Sequence[torch.Tensor] | None]:
         if not self.lock_averaged_tensors.acquire(timeout=timeout):

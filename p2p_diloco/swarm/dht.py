@@ -3,14 +3,20 @@
 Every failure a volunteer can hit at start-up (a mistyped address, an offline bootstrap peer, a port already
 taken, a daemon that cannot run, an exposed key file) becomes a single ``SwarmStartError`` whose message says
 what to change.
+
+Every node has an identity key it can sign DHT records with (``signing.RecordGuard``): the one in
+``identity_path``, or, without one, a fresh key written (mode 0600) into a private temporary folder that is
+removed again once the p2p daemon has read it, so the key lives on in memory only.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import stat
+import tempfile
 from collections.abc import Iterable
 
 import hivemind
@@ -20,6 +26,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.swarm.config import MULTIADDR_EXAMPLE, SwarmConfig, parse_multiaddr
+from p2p_diloco.swarm.signing import RecordGuard, load_identity_key, register_signer
 
 logger = logging.getLogger(__name__)
 
@@ -156,12 +163,24 @@ def _stop(dht: hivemind.DHT, timeout: float) -> None:
         dht.join(timeout)
 
 
+def _signing_key(path: str) -> RSAPrivateKey:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return load_identity_key(data)
+    except ValueError as e:
+        raise SwarmStartError(f"identity key {path}: {e}; move it away to create a new one") from None
+
+
 def start_dht(cfg: SwarmConfig, record_validators: Iterable[RecordValidatorBase] = ()) -> hivemind.DHT:
     """Start a DHT node for ``cfg`` and return it once it has reached at least one initial peer.
 
-    Raises ``SwarmStartError`` for an unparsable address, initial peers that do not answer within
-    ``cfg.startup_timeout_s`` (hivemind's ``ensure_bootstrap_success``), an occupied port, a daemon that does
-    not start, or an identity key that other users can read. Call ``dht.shutdown()`` when done.
+    The node runs a ``signing.RecordGuard`` from its first moment: it signs this node's records with its
+    identity key and drops unsigned, forged, oversized or (with ``records.install_validators``) malformed
+    records on receipt. Raises ``SwarmStartError`` for an unparsable address, initial peers that do not
+    answer within ``cfg.startup_timeout_s`` (hivemind's ``ensure_bootstrap_success``), an occupied port, a
+    daemon that does not start, or an identity key that other users can read or that is not RSA. Call
+    ``dht.shutdown()`` when done.
     """
     for name, values, need_id in (
         ("initial_peers", cfg.initial_peers, True),
@@ -174,23 +193,43 @@ def start_dht(cfg: SwarmConfig, record_validators: Iterable[RecordValidatorBase]
             except ValueError as e:
                 raise SwarmStartError(str(e)) from None
     _check_ports_free(cfg.host_maddrs)
-    if cfg.identity_path is not None:
-        ensure_identity(cfg.identity_path)
+    scratch = None if cfg.identity_path is not None else tempfile.mkdtemp(prefix="p2p-diloco-identity-")
+    try:
+        identity_path = cfg.identity_path or os.path.join(scratch, "identity.key")
+        ensure_identity(identity_path)
+        key = _signing_key(identity_path)
+        dht = _start(
+            cfg, identity_path, [RecordGuard(key), *record_validators], fresh_key=scratch is not None
+        )
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        register_signer(dht, key)
+    except ValueError as e:
+        _stop(dht, cfg.shutdown_timeout_s)
+        raise SwarmStartError(f"the p2p daemon does not run with the identity key: {e}") from None
+    logger.info("DHT started as peer %s; reachable at %s", dht.peer_id, " ".join(visible_maddrs(dht)))
+    return dht
 
+
+def _start(
+    cfg: SwarmConfig, identity_path: str, validators: list[RecordValidatorBase], fresh_key: bool
+) -> hivemind.DHT:
     loopback = _is_loopback_only(cfg.host_maddrs) and not cfg.announce_maddrs
     nat_port_map = cfg.nat_port_map if cfg.nat_port_map is not None else not loopback
     dht = hivemind.DHT(
         initial_peers=list(cfg.initial_peers) or None,
         start=False,
-        record_validators=list(record_validators),
+        record_validators=validators,
         shutdown_timeout=cfg.shutdown_timeout_s,
         client_mode=cfg.client_mode,
         host_maddrs=list(cfg.host_maddrs),
         announce_maddrs=list(cfg.announce_maddrs) or None,
-        identity_path=cfg.identity_path,
+        identity_path=identity_path,
         # hivemind checks an existing identity with a throwaway daemon whose UPnP cannot be turned off;
-        # on loopback there is nobody else to collide with, so skip that probe there.
-        check_if_identity_free=not loopback,
+        # on loopback there is nobody else to collide with, and nobody else can hold a key made just now.
+        check_if_identity_free=not loopback and not fresh_key,
         use_relay=cfg.use_relay,
         use_auto_relay=cfg.use_auto_relay,
         nat_port_map=nat_port_map,
@@ -213,7 +252,6 @@ def start_dht(cfg: SwarmConfig, record_validators: Iterable[RecordValidatorBase]
     except Exception as e:
         _stop(dht, cfg.shutdown_timeout_s)
         raise SwarmStartError(_explain(e, cfg)) from e
-    logger.info("DHT started as peer %s; reachable at %s", dht.peer_id, " ".join(visible_maddrs(dht)))
     return dht
 
 

@@ -2,14 +2,20 @@
 
 Keys (all prefixed by the run id, so runs sharing one DHT never read each other's records):
 
-- ``{run_id}_progress``: one subkey per peer (its base58 peer id) holding a ``ProgressRecord``-shaped dict.
+- ``{run_id}_progress``: one subkey per peer holding a ``ProgressRecord``-shaped dict.
 - ``{run_id}_checksum_e{epoch}``: one subkey per peer holding the 64-hex-character sha256 of its parameters
   right after the outer step that produced ``epoch``.
 
-Anyone can write anything into a DHT, so every record read back is validated: hivemind's ``SchemaValidator``
-(pydantic, strict types) rejects malformed progress records on every node that installed it, and the
-explicit checks below drop what slips through (records relayed by nodes without the validator, non-finite
-numbers, oversized values, expired entries). Dropped records are logged, never raised.
+Each peer writes only under its signed subkey ``<base58 peer id>[owner:<its public key>]`` and signs every
+record with its libp2p identity key (``signing``), so a record names the one peer that wrote it.
+
+Anyone can write anything into a DHT, so every record is checked twice. On receipt, every node's
+``signing.RecordGuard`` drops unsigned, wrongly signed, forged, oversized and (for progress, with hivemind's
+``SchemaValidator`` installed by ``install_validators``) malformed records. On reading, the explicit checks
+below drop what still slips through (records relayed by nodes without the guard, checksum records, whose
+per-epoch keys no schema can name, non-finite numbers, expired entries). Every drop is logged and counted in
+the DHT's ``signing.RecordAudit``; a record that was correctly signed gets its signer banned for the run,
+after which the readers here skip that peer's records. Nothing is raised.
 """
 
 from __future__ import annotations
@@ -23,20 +29,30 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import hivemind
-from hivemind.dht.schema import SchemaValidator
-from hivemind.p2p import PeerID
+from hivemind.dht.schema import SchemaValidator, conbytes
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, ValidationError, confloat, conint, constr
 
+from p2p_diloco.swarm.signing import (
+    SIGNED_SUBKEY_REGEX,
+    RecordAudit,
+    RecordGuard,
+    Rejection,
+    looks_signed,
+    own_subkey,
+    parse_signed_subkey,
+    record_audit,
+)
+
 logger = logging.getLogger(__name__)
 
-PEER_ID_REGEX = r"^[1-9A-HJ-NP-Za-km-z]{20,80}$"  # base58 alphabet, lengths of real libp2p peer ids
 FINGERPRINT_REGEX = r"^[0-9a-f]{8,64}$"
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
-_PEER_ID_PATTERN = re.compile(PEER_ID_REGEX)
 _MAX_EPOCH = 10**9
 _MAX_RATE = 1e12
-_MAX_SUBKEYS = 4096  # a swarm larger than this is not expected; a flood beyond it is ignored, not parsed
+_MAX_SUBKEYS = 1024
+"""Subkeys read per key: far above any expected swarm; beyond it signed-looking subkeys are kept first and the
+rest is dropped (as ``oversized``) without being parsed."""
 _DHT_TIMEOUT_S = 30.0
 
 
@@ -54,9 +70,9 @@ class ProgressRecord(BaseModel):
 
 
 class ProgressSchema(BaseModel):
-    """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress`` key (subkey: base58 peer id)."""
+    """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress`` key (subkey: a signed subkey)."""
 
-    progress: dict[constr(regex=PEER_ID_REGEX, strict=True), Optional[ProgressRecord]]  # type: ignore[valid-type]  # noqa: UP045
+    progress: dict[conbytes(regex=SIGNED_SUBKEY_REGEX), Optional[ProgressRecord]]  # type: ignore[valid-type]  # noqa: UP045
 
 
 @dataclass(frozen=True)
@@ -84,8 +100,10 @@ def checksum_key(run_id: str, epoch: int) -> str:
 
 
 def install_validators(dht: hivemind.DHT, run_id: str) -> None:
-    """Make ``dht`` reject malformed progress records for ``run_id`` (stores and lookups alike); call once."""
-    dht.add_validators([SchemaValidator(ProgressSchema, prefix=run_id)])
+    """Make ``dht`` drop unsigned and malformed progress records of ``run_id`` on receipt (stores and lookups
+    alike), on top of the signature checks every node started by ``dht.start_dht`` makes; call once per run."""
+    schema = SchemaValidator(ProgressSchema, prefix=run_id)
+    dht.add_validators([RecordGuard(schemas=[schema], signed_keys=[progress_key(run_id)])])
 
 
 def _finite(*values: float) -> bool:
@@ -126,39 +144,60 @@ def publish_progress(
     return _store(dht, progress_key(run_id), record.dict(), now + ttl_s)
 
 
-def _parse_progress(peer_id: Any, entry: Any, now: float) -> PeerProgress | str:
-    """A ``PeerProgress``, or the reason the entry is dropped."""
-    if not isinstance(peer_id, str) or not _PEER_ID_PATTERN.fullmatch(peer_id):
-        return f"subkey {str(peer_id)[:80]!r} is not a base58 peer id"
-    try:
-        PeerID.from_base58(peer_id)
-    except Exception:
-        return "subkey is not a valid peer id"
-    if not isinstance(entry, ValueWithExpiration):
-        return f"entry of type {type(entry).__name__}"
+def _parse_entry(subkey: Any, entry: Any, now: float) -> tuple[str, Any] | Rejection | None:
+    """``(peer id, value)`` of a live entry under a signed subkey whose owner key is that peer's, a
+    ``Rejection``, or ``None`` for an expired entry. The owner is named only where the signature was checked
+    on receipt, which the caller knows (``RecordAudit.attributable``)."""
+    parsed = parse_signed_subkey(subkey)
+    if isinstance(parsed, str):
+        return Rejection("unsigned", None, parsed)
+    claimed, owner = parsed
+    if claimed != owner:
+        return Rejection("wrong_owner", owner, f"claims to be {claimed}'s record")
+    if not isinstance(entry, ValueWithExpiration) or isinstance(entry.expiration_time, bool):
+        return Rejection("malformed", owner, f"entry of type {type(entry).__name__}")
     if not isinstance(entry.expiration_time, (int, float)) or not entry.expiration_time > now:
-        return "expired"
-    value = entry.value
+        return None
+    return owner, entry.value
+
+
+def _parse_progress(subkey: Any, entry: Any, now: float) -> PeerProgress | Rejection | None:
+    """A ``PeerProgress``, the ``Rejection`` of the entry, or ``None`` (expired or withdrawn: not an error)."""
+    parsed = _parse_entry(subkey, entry, now)
+    if not isinstance(parsed, tuple):
+        return parsed
+    peer_id, value = parsed
     if value is None:
-        return "withdrawn"
+        return None
     if not isinstance(value, dict) or len(value) > 16:
-        return f"value of type {type(value).__name__} (or too many fields)"
+        return Rejection("malformed", peer_id, f"value of type {type(value).__name__} (or too many fields)")
     try:
-        parsed = ProgressRecord.parse_obj(value)
+        record = ProgressRecord.parse_obj(value)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:4])
-        return f"schema mismatch ({problems})"
-    if parsed.dict() != value:
-        return "value needed type conversions"
-    if not _finite(parsed.steps_per_s, parsed.samples_per_s, parsed.tokens_per_s, parsed.time):
-        return "non-finite number"
-    return PeerProgress(peer_id=peer_id, expiration_time=float(entry.expiration_time), **parsed.dict())
+        return Rejection("malformed", peer_id, f"schema mismatch ({problems})"[:400])
+    if record.dict() != value:
+        return Rejection("malformed", peer_id, "value needed type conversions")
+    if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s, record.time):
+        return Rejection("malformed", peer_id, "non-finite number")
+    return PeerProgress(peer_id=peer_id, expiration_time=float(entry.expiration_time), **record.dict())
+
+
+def _parse_checksum(subkey: Any, entry: Any, now: float) -> tuple[str, str] | Rejection | None:
+    """``(peer id, sha256 hex)``, the ``Rejection`` of the entry, or ``None`` when it expired."""
+    parsed = _parse_entry(subkey, entry, now)
+    if not isinstance(parsed, tuple):
+        return parsed
+    peer_id, value = parsed
+    if not isinstance(value, str) or not SHA256_PATTERN.fullmatch(value):
+        return Rejection("malformed", peer_id, f"{type(value).__name__} value is not a sha256 hex digest")
+    return peer_id, value
 
 
 def _store(dht: hivemind.DHT, key: str, value: Any, expiration_time: float) -> bool:
-    """Store under this peer's subkey; ``False`` (logged) if the DHT refuses or does not answer in time."""
+    """Store under this peer's signed subkey; ``False`` (logged) if the DHT refuses or does not answer in time."""
     future = dht.store(
-        key, subkey=dht.peer_id.to_base58(), value=value, expiration_time=expiration_time, return_future=True
+        key, subkey=own_subkey(dht), value=value, expiration_time=expiration_time, return_future=True
     )
     try:
         return bool(future.result(timeout=_DHT_TIMEOUT_S))
@@ -167,31 +206,44 @@ def _store(dht: hivemind.DHT, key: str, value: Any, expiration_time: float) -> b
         return False
 
 
-def _fetch_subkeys(dht: hivemind.DHT, key: str) -> dict[Any, Any]:
+def _fetch_subkeys(dht: hivemind.DHT, key: str, audit: RecordAudit) -> dict[Any, Any]:
     found = dht.get(key, latest=True, return_future=True).result(timeout=_DHT_TIMEOUT_S)
     if found is None:
         return {}
     if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
-        logger.warning("Dropped DHT value under %s: expected a dictionary of per-peer records", key)
+        expiration = getattr(found, "expiration_time", None)
+        audit.note((key, None, expiration), Rejection("malformed", None, f"{key} holds no per-peer records"))
         return {}
-    items = found.value
+    items = list(found.value.items())
     if len(items) > _MAX_SUBKEYS:
-        logger.warning("DHT key %s holds %d records; reading only %d of them", key, len(items), _MAX_SUBKEYS)
-        items = dict(list(items.items())[:_MAX_SUBKEYS])
+        items.sort(key=lambda item: not looks_signed(item[0]))  # stable: signed-looking subkeys first
+        for subkey, entry in items[_MAX_SUBKEYS:]:
+            identity = (key, subkey, getattr(entry, "expiration_time", None))
+            audit.note(identity, Rejection("oversized", None, f"{key} holds over {_MAX_SUBKEYS} records"))
+        items = items[:_MAX_SUBKEYS]
     return dict(items)
 
 
-def fetch_progress(dht: hivemind.DHT, run_id: str) -> list[PeerProgress]:
-    """Every valid, unexpired progress record of ``run_id``, sorted by peer id; malformed ones are logged."""
+def _read(dht: hivemind.DHT, key: str, parse: Any) -> list[Any]:
+    """Parse every entry under ``key``; note each rejection, skip expired entries and banned peers."""
+    audit = record_audit(dht)
     now = get_dht_time()
-    records = []
-    for peer_id, entry in _fetch_subkeys(dht, progress_key(run_id)).items():
-        parsed = _parse_progress(peer_id, entry, now)
-        if isinstance(parsed, PeerProgress):
-            records.append(parsed)
-        elif parsed not in ("expired", "withdrawn"):
-            logger.warning("Dropped progress record from %s: %s", str(peer_id)[:80], parsed)
-    return sorted(records, key=lambda r: r.peer_id)
+    entries = _fetch_subkeys(dht, key, audit)
+    audit.collect(dht)  # after the lookup, so whatever the guard refused in it counts (and bans) at once
+    kept = []
+    for subkey, entry in entries.items():
+        parsed = parse(subkey, entry, now)
+        if isinstance(parsed, Rejection):
+            audit.note((key, subkey, getattr(entry, "expiration_time", None)), parsed)
+        elif parsed is not None:
+            kept.append(parsed)
+    audit.collect(None)  # count this read's drops (and ban their signers) now
+    return [p for p in kept if not audit.is_banned(p.peer_id if isinstance(p, PeerProgress) else p[0])]
+
+
+def fetch_progress(dht: hivemind.DHT, run_id: str) -> list[PeerProgress]:
+    """Every valid, unexpired progress record of ``run_id`` from peers not banned, sorted by peer id."""
+    return sorted(_read(dht, progress_key(run_id), _parse_progress), key=lambda r: r.peer_id)
 
 
 def global_epoch(
@@ -232,20 +284,8 @@ def publish_checksum(
 
 
 def fetch_checksums(dht: hivemind.DHT, run_id: str, epoch: int) -> dict[str, str]:
-    """Valid, unexpired checksums published for ``epoch``: peer id -> sha256 hex."""
-    now = get_dht_time()
-    result = {}
-    for peer_id, entry in _fetch_subkeys(dht, checksum_key(run_id, epoch)).items():
-        if not isinstance(peer_id, str) or not _PEER_ID_PATTERN.fullmatch(peer_id):
-            logger.warning("Dropped checksum record: subkey %r is not a peer id", str(peer_id)[:80])
-            continue
-        if not isinstance(entry, ValueWithExpiration) or not entry.expiration_time > now:
-            continue
-        if not isinstance(entry.value, str) or not SHA256_PATTERN.fullmatch(entry.value):
-            logger.warning("Dropped checksum record from %s: not a sha256 hex digest", peer_id)
-            continue
-        result[peer_id] = entry.value
-    return result
+    """Valid, unexpired checksums published for ``epoch`` by peers not banned: peer id -> sha256 hex."""
+    return dict(_read(dht, checksum_key(run_id, epoch), _parse_checksum))
 
 
 def majority_checksum(dht: hivemind.DHT, run_id: str, epoch: int) -> tuple[str | None, int, int]:
