@@ -45,13 +45,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compression", default="none")
     parser.add_argument("--run-id", default="probe")
+    parser.add_argument("--part-size-bytes", type=int, default=SwarmConfig.part_size_bytes)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # hivemind reports why a reducer's stream ended early only at DEBUG; a benchmark wants the reason
+    logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
     cfg = SwarmConfig(run_id=args.run_id, initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
                       use_relay=False, target_group_size=args.group, min_group_size=args.group,
                       matchmaking_time_s=4.0, matchmaking_timeout_s=120.0, allreduce_timeout_s=300.0,
-                      next_chunk_timeout_s=60.0, request_timeout_s=3.0)
+                      next_chunk_timeout_s=60.0, request_timeout_s=3.0, part_size_bytes=args.part_size_bytes)
     dht = start_dht(cfg)
     tensors = template(args.numel, args.model)
     averager = RoundAverager(tensors, dht, cfg, fingerprint=FINGERPRINT,

@@ -33,7 +33,8 @@ def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> N
     boot, maddr = start_bootstrap(tmp_path)
     try:
         procs = {
-            "a": start_peer(tmp_path, "a", maddr, "--run-id", "f1", "--max-rounds", "7",
+            # a gets one round of slack: it must reach epoch 5 even if one round is lost to chance
+            "a": start_peer(tmp_path, "a", maddr, "--run-id", "f1", "--max-rounds", "8",
                             faults="slow_sender@3=2"),
             "b": start_peer(tmp_path, "b", maddr, "--run-id", "f1", "--max-rounds", "7",
                             faults="fail_confirm@2,kill_before_allreduce@5"),

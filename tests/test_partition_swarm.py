@@ -30,6 +30,7 @@ pytestmark = [
 ]
 
 SYNCED = ("averaged", "folded_late", "resynced")
+BATCH = 4  # swarm_procs.FAST's --batch-size: a round's own weight is BATCH x inner steps
 PARTITION_S = 40.0  # longer than --progress-ttl-s (30 in FAST): the others' records expire at peer 3
 ROUND_BUDGET_S = 15 + 30 + 10  # matchmaking_timeout_s + allreduce_timeout_s (FAST) + the averager's grace
 
@@ -42,7 +43,8 @@ def _fast_without_host() -> list[str]:
 
 
 def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_path: Path) -> None:
-    args = [*_fast_without_host(), "--run-id", "part", "--max-rounds", "200"]
+    # The others run about 10 rounds while peer 3 is cut off; its work must still be young enough to fold.
+    args = [*_fast_without_host(), "--run-id", "part", "--max-rounds", "200", "--max-staleness", "30"]
     with Testbed(4, 1000.0, prefix=f"pdp{os.getpid()}") as bed:
         procs = start_swarm(bed, tmp_path, 3, args)
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "peer3", "round")), 240,
@@ -82,11 +84,14 @@ def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_pat
     assert not any(r["outcome"] == "resynced" and r["time"] > cut for n in ("peer1", "peer2") for r in rounds[n])
     after = [r for r in rounds["peer3"] if r["time"] > healed]
     assert after[0]["outcome"] in ("resynced", "skipped"), after[0]
+    resynced = next(r for r in rounds["peer3"] if r["outcome"] == "resynced" and r["time"] > cut)
     folded = next(r for r in after if r["outcome"] == "folded_late")
     assert max(folded["staleness"]) >= 2, folded
-    # ... with all of the partition's samples: every skipped round carried its weight forward
-    carried = sum(r["inner_steps"] for r in rounds["peer3"] if r["outcome"] == "skipped" and r["time"] > cut)
-    assert carried >= sum(r["inner_steps"] for r in during["peer3"])
+    # ... with all of the partition's samples: each skipped round carried its weight into the next, so the
+    # late work folded in weighs every step peer 3 trained from the cut to its resynchronisation
+    steps = sum(r["inner_steps"] for r in rounds["peer3"] if cut < r["time"] <= resynced["time"])
+    late_weight = folded["weights"][folded["contributors"].index(ids["peer3"])] - BATCH * folded["inner_steps"]
+    assert late_weight == pytest.approx(BATCH * steps), (late_weight, steps, folded)
 
     # 2. identical parameters wherever an epoch was reached through the swarm
     by_epoch: dict[int, set[str]] = defaultdict(set)

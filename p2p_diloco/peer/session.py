@@ -394,7 +394,8 @@ class SwarmSession:
             swarm_epoch = self._swarm_epoch() or 0
             if swarm_epoch > self.epoch:
                 # The others completed the round without us: our work becomes late work.
-                self._catch_up(delta, weight, min_epoch=swarm_epoch)
+                if self._catch_up(delta, weight, min_epoch=swarm_epoch):
+                    report.outcome = "resynced"
             else:
                 # Nobody advanced: keep training from the local parameters, so no work is lost.
                 self.continue_local, self.carry_weight = True, weight

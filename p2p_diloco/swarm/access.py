@@ -9,7 +9,7 @@ Matchmaking and planning check the same list (``group.plan_group``), and joiners
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -41,6 +41,33 @@ class AccessControlMixin:
         if name in self._banned:
             return f"banned: {self._banned[name]}"
         return None
+
+    async def _step(self, **kwargs: Any) -> Any:
+        self._guard_leaders()
+        return await super()._step(**kwargs)  # type: ignore[misc]
+
+    def _guard_leaders(self) -> None:
+        """Never ask a banned or not-allowed peer to lead our group.
+
+        Without this a banned peer that declares itself a leader draws honest followers into a group they
+        then refuse to average with, and they skip the round: a cheap way for a hostile peer to stall the
+        swarm. hivemind's averager builds its ``Matchmaking`` inside its process's main coroutine, with no
+        hook to customise it, so this wraps that instance's join request once, before the first round.
+        """
+        matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is None or getattr(matchmaking, "_leaders_guarded", False):
+            return
+        request = matchmaking._request_join_group
+
+        async def guarded(leader: PeerID) -> Any:
+            reason = self._refuse(leader)
+            if reason is not None:
+                logger.info("Not asking %s to lead our group: %s", leader, reason)
+                return None
+            return await request(leader)
+
+        matchmaking._request_join_group = guarded
+        matchmaking._leaders_guarded = True
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

@@ -42,6 +42,15 @@ multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzant
 report an incomplete all-reduce). Tests use it to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
 STATUS_SUFFIX = b".done"
 """Group id suffix of the completion check that follows each all-reduce."""
+RECEIVED_ALL = averaging_pb2.AVERAGED_PART
+"""Code of the message a sender appends to its input stream once it holds every averaged part of that reducer.
+
+Why: a reducer that ends its reply stream right after its last part closes the stream while that part may
+still sit in the p2p daemon's buffers, and the daemon can then reset the stream and drop it; the sender sees
+the stream end one part short (hivemind: "sent 9 parts, but we expected 10"), about once in 30-40 rounds on
+our testbed. Waiting for this acknowledgement before ending the reply means the reducer never closes first.
+A sender that never acknowledges (an older version, or one that died) costs the reducer ``sender_timeout``,
+nothing else: its parts were all reduced."""
 
 
 @dataclass
@@ -57,23 +66,46 @@ class ByteCounter:
     received: int = 0
 
 
-async def _count_received(stream: AsyncIterator[Any], counter: ByteCounter) -> AsyncIterator[Any]:
+async def _count_received(
+    stream: AsyncIterator[Any], counter: ByteCounter, expected: int = 0, received_all: asyncio.Event | None = None
+) -> AsyncIterator[Any]:
+    """Count bytes; set ``received_all`` once ``expected`` averaged parts arrived (or the stream ended)."""
+    parts = 0
+    try:
+        async for message in stream:
+            counter.received += message.ByteSize()
+            if message.code == averaging_pb2.AVERAGED_PART:
+                parts += 1
+                if received_all is not None and parts >= expected:
+                    received_all.set()
+            yield message
+    finally:
+        if received_all is not None:
+            received_all.set()
+
+
+async def _until_received_all(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A sender's input parts, ending at its ``RECEIVED_ALL`` acknowledgement."""
     async for message in stream:
-        counter.received += message.ByteSize()
+        if message.code == RECEIVED_ALL:
+            return
         yield message
 
 
 class _CountingStub:
     """Wraps a hivemind stub so the averaged parts a reducer sends back to us are counted."""
 
-    def __init__(self, stub: StubBase, counter: ByteCounter):
+    def __init__(
+        self, stub: StubBase, counter: ByteCounter, expected: int = 0, received_all: asyncio.Event | None = None
+    ):
         self._stub, self._counter = stub, counter
+        self._expected, self._received_all = expected, received_all
 
     async def rpc_aggregate_part(
         self, requests: AsyncIterator[averaging_pb2.AveragingData]
     ) -> AsyncIterator[Any]:
         stream = await self._stub.rpc_aggregate_part(requests)
-        return _count_received(stream, self._counter)
+        return _count_received(stream, self._counter, self._expected, self._received_all)
 
 
 class CountingAllReduceRunner(AllReduceRunner):
@@ -113,6 +145,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             info for _, info in self.tensor_part_container._input_parts_by_peer[my_index]
         )
         self._averaged_parts: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
+        self._received_all: dict[int, asyncio.Event] = {}  # per reducer index, see RECEIVED_ALL
 
     def _serialized_average(self, part_index: int, averaged_part: Any) -> asyncio.Future[runtime_pb2.Tensor]:
         """The one serialization of averaged part ``part_index`` that every sender (and we) receive."""
@@ -148,7 +181,7 @@ class CountingAllReduceRunner(AllReduceRunner):
         try:
             async for tensor_part, weight in amap_in_executor(
                 lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
-                stream,
+                _until_received_all(stream),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
@@ -160,12 +193,19 @@ class CountingAllReduceRunner(AllReduceRunner):
                 serialized = await self._serialized_average(part_index, averaged_part)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        except (asyncio.TimeoutError, TimeoutError):
+            if part_index != self.tensor_part_reducer.num_parts:
+                raise
+            # every part went back; only the acknowledgement is missing (see RECEIVED_ALL)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     def _get_peer_stub(self, peer: PeerID) -> StubBase:
-        return _CountingStub(super()._get_peer_stub(peer), self._counter)  # type: ignore[return-value]
+        index = self.ordered_peer_ids.index(peer)
+        expected = self.tensor_part_container.num_parts_by_peer[index]
+        received_all = self._received_all.setdefault(index, asyncio.Event())
+        return _CountingStub(super()._get_peer_stub(peer), self._counter, expected, received_all)  # type: ignore[return-value]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -174,6 +214,12 @@ class CountingAllReduceRunner(AllReduceRunner):
             self._remote_parts_sent += 1
             if self._fault_hook is not None and self._remote_parts_sent == 1:
                 self._fault_hook("part_sent")
+        # Keep the stream open until the reducer's last part is here, then say so (see RECEIVED_ALL). If its
+        # reply stream fails instead, the event is set too and the reducer gets an acknowledgement it ignores.
+        await self._received_all.setdefault(peer_index, asyncio.Event()).wait()
+        ack = averaging_pb2.AveragingData(code=RECEIVED_ALL)
+        self._counter.sent += ack.ByteSize()
+        yield ack
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
