@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.peer.session import wire_compression
+from p2p_diloco.core.hivemind_codecs import wire_compression
 from p2p_diloco.swarm import RoundAverager, SwarmConfig, start_dht
 
 FINGERPRINT = "feedc0de12345678"

@@ -45,7 +45,7 @@ import logging
 import struct
 
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.proto import runtime_pb2
 
@@ -183,3 +183,14 @@ def uninstall(previous: CompressionBase) -> None:
     if previous.compression_type != CodecCompression.compression_type:
         raise ValueError(f"{previous!r} does not belong in the {HIVEMIND_SLOT} slot")
     _hivemind_serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] = previous
+
+
+def wire_compression(name: str, error_feedback: bool) -> CompressionBase:
+    """The hivemind compression for ``--compression``: hivemind's own where it matches, ours otherwise."""
+    if name == "none":
+        return NoCompression()
+    if name == "fp16":
+        return Float16Compression()
+    compression = CodecCompression(name, error_feedback=error_feedback)
+    install(compression)  # before the averager process forks, so its decoder table knows the codec
+    return compression

@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from p2p_diloco.peer.session import RoundReport, SessionListener
+from p2p_diloco.peer.report import RoundReport, SessionListener
 from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS
 from p2p_diloco.trainer import InnerStats
 

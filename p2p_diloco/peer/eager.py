@@ -36,7 +36,8 @@ from p2p_diloco.swarm import RoundAverager
 from p2p_diloco.swarm.averager import RoundResult
 
 if TYPE_CHECKING:
-    from p2p_diloco.peer.session import RoundReport, SwarmSession
+    from p2p_diloco.peer.report import RoundReport
+    from p2p_diloco.peer.session import SwarmSession
 
 logger = logging.getLogger(__name__)
 
