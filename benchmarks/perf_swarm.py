@@ -358,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             began = time.monotonic()
             BENCHES[name]()
-            logger.info("%s took %.0f s", name, time.monotonic() - began)
+            took = time.monotonic() - began
+            logger.info("%s took %.0f s", name, took)
+            path = RESULTS / f"perf_{name}.json"
+            path.write_text(json.dumps(dict(json.loads(path.read_text()), took_s=took), indent=1))
     except KeyboardInterrupt:
         print("perf_swarm: interrupted; namespaces removed", file=sys.stderr)
         return 130
