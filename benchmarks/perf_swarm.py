@@ -184,8 +184,12 @@ def _utilization_run(mode: str, rate: float, steps: int, rounds: int) -> dict[st
                 else float("nan"))
 
 
-def bench_utilization(rate: float = 10.0, steps: int = 150, rounds: int = 5) -> None:
-    """Compute utilization (inner seconds / wall seconds per round), blocking against eager, 2 peers."""
+def bench_utilization(rate: float = 10.0, steps: int = 400, rounds: int = 5) -> None:
+    """Compute utilization (inner seconds / wall seconds per round), blocking against eager, 2 peers.
+
+    ``steps`` sets the inner phase to about twice the blocking all-reduce round on this machine when idle
+    (blocking then costs about a third of a round); a loaded machine trains slower and blocking costs less.
+    """
     runs = [_utilization_run(mode, rate, steps, rounds) for mode in ("none", "eager")]
     save("utilization", dict(rate_mbit=rate, local_steps=steps, rounds=rounds, runs=runs))
 
@@ -218,7 +222,7 @@ def bench_joiner(rate: float = 2.0, steps: int = 900) -> None:
     """
     out = fresh("joiner")
     args = [*PEER_BASE, "--run-id", "joiner", "--local-steps", str(steps), "--min-local-steps", "5",
-            "--eval-every", "0", "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "60",
+            "--eval-every", "0", "--matchmaking-time-s", "10", "--matchmaking-timeout-s", "60",
             "--compression", "int8"]
     with Testbed(4, rate) as bed:
         spawned = time.time()
@@ -230,7 +234,7 @@ def bench_joiner(rate: float = 2.0, steps: int = 900) -> None:
         join_spawned = time.time()
         procs["joiner"] = bed.popen(3, [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs",
                                         f"/ip4/{bed.ip(3)}/tcp/0", "--initial-peers", maddr, "--use-relay", "false",
-                                        "--log-file", str(out / "joiner.jsonl"), *args, "--max-rounds", "2"],
+                                        "--log-file", str(out / "joiner.jsonl"), *args, "--max-rounds", "3"],
                                     stdout=open(out / "joiner.out", "w"), stderr=subprocess.STDOUT,
                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
         codes = wait_peers({"joiner": procs["joiner"]}, 400)

@@ -14,6 +14,8 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streamin
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
+from p2p_diloco.swarm.group import decode_gather
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,6 +71,24 @@ class AccessControlMixin:
         matchmaking._request_join_group = guarded
         matchmaking._leaders_guarded = True
 
+    def _epoch_mismatch(self, gather: bytes) -> str | None:
+        """Why a follower of another epoch cannot join our group, or ``None``.
+
+        Peers at different epochs could only form a group that refuses them afterwards (``plan_group``), and
+        that round is lost for every member. A peer that fell behind (a joiner whose download outlasted the
+        round, a peer back from a partition) must not take the others' round with it: it is turned away here,
+        finds no group, and catches up on its own.
+        """
+        control = getattr(getattr(self, "_matchmaking", None), "step_control", None)
+        if control is None:
+            return None  # not looking for a group: hivemind's own answer follows
+        try:
+            theirs = decode_gather(gather)[2].epoch
+            ours = decode_gather(control.data_for_gather)[2].epoch
+        except ValueError:
+            return None  # malformed metadata is refused, with its reason, by plan_group
+        return None if theirs == ours else f"its epoch {theirs} differs from ours {ours}"
+
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -77,6 +97,11 @@ class AccessControlMixin:
         if reason is not None:
             logger.warning("Refused to group with %s: %s", context.remote_id, reason)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        mismatch = self._epoch_mismatch(request.gather)
+        if mismatch is not None:
+            logger.info("Not grouping with %s: %s", context.remote_id, mismatch)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
         async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
             yield response
