@@ -305,9 +305,10 @@ def main() -> None:
     parts[1:1] = ["", *summary()]
     if hw:
         parts.insert(1, f"\nHardware: {hw['cpu']}, {hw['cores']} cores, kernel {hw['kernel']}, Python {hw['python']}; "
-                        f"the machine was shared with other test and benchmark runs (1-minute load average "
-                        f"{hw['load_avg_1m']:.1f} at the end of a benchmark), so absolute seconds are noisy and "
-                        "the ratios are the numbers to read.")
+                        f"1-minute load average {hw['load_avg_1m']:.1f} at the end of a benchmark. All peers, their "
+                        "averagers and p2p daemons share these 2 cores, so absolute seconds are noisy and the "
+                        "ratios are the numbers to read; ratios of the same case vary by about 0.1 between full "
+                        "runs (3 rounds per case).")
     replace_section(ROOT / "BENCHMARKS.md", SECTION, "\n".join(parts))
 
 

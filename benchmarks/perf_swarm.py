@@ -163,9 +163,12 @@ def bench_allreduce(rounds: int = 3) -> None:
 
 def _utilization_run(mode: str, rate: float, steps: int, rounds: int) -> dict[str, Any]:
     out = fresh(f"util-{mode}")
+    # With eager overlap the all-reduce runs while both cores train flat out, so the averager process answers
+    # slowly: a follower that waits only 2 s (PEER_BASE) for its leader gives up while the leader counts it in,
+    # and that round fails (measured: the first eager all-reduce lost, and the three after it not sent).
     args = [*PEER_BASE, "--run-id", f"util-{mode}", "--overlap", mode, "--local-steps", str(steps),
             "--min-local-steps", str(steps), "--max-rounds", str(rounds), "--eval-every", "0",
-            "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "60"]
+            "--matchmaking-time-s", "5", "--matchmaking-timeout-s", "60", "--request-timeout-s", "4"]
     with Testbed(3, rate) as bed:
         procs = start_swarm(bed, out, 2, args)
         codes = wait_peers(procs, 600)
