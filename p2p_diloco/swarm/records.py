@@ -171,6 +171,8 @@ def _parse_progress(subkey: Any, entry: Any, now: float) -> PeerProgress | Rejec
         return None
     if not isinstance(value, dict) or len(value) > 16:
         return Rejection("malformed", peer_id, f"value of type {type(value).__name__} (or too many fields)")
+    if not all(isinstance(name, str) for name in value):
+        return Rejection("malformed", peer_id, "field names that are not strings")  # pydantic would raise TypeError
     try:
         record = ProgressRecord.parse_obj(value)
     except ValidationError as e:

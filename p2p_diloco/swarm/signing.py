@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import re
 import threading
 import time
@@ -212,6 +213,16 @@ class RejectionLog:
 
 
 _RECEIVED = RejectionLog()  # filled by the RecordGuard of a DHT running in this process
+
+
+def _fresh_log_in_child() -> None:
+    # hivemind forks each DHT into its own process: the child must report only what it rejects itself, not
+    # what the parent (or an earlier DHT of the parent) had counted, and must not inherit a held lock.
+    global _RECEIVED
+    _RECEIVED = RejectionLog()
+
+
+os.register_at_fork(after_in_child=_fresh_log_in_child)
 
 
 async def _drain_received(_dht: Any, _node: Any) -> tuple[dict[str, int], dict[str, str]]:
