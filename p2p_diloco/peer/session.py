@@ -369,8 +369,14 @@ class SwarmSession:
             self.continue_local, self.carry_weight = True, weight
             return False
         if self.late is not None:
-            logger.info("Replacing older late work of epoch %d with that of epoch %d",
-                        self.late.origin_epoch, origin)
+            # Late again before the older late work was folded in (a peer that chases the swarm after an
+            # outage): both phases' work goes in together, as a skipped round's work carries into the next,
+            # and staleness counts from the older one. Replacing it would lose the older phase's work.
+            logger.info("Adding the work of epoch %d to the late work of epoch %d", origin, self.late.origin_epoch)
+            for kept, new in zip(self.late.delta, delta, strict=True):
+                kept.add_(new)
+            self.late.weight += weight
+            return True
         self.late = LateWork(delta, weight, origin)
         return True
 
