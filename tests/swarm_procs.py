@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 from p2p_diloco.demo import wait_for_maddr  # noqa: F401 - the tests import it from here
@@ -21,6 +22,26 @@ FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "-
         "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--inner-lr", "2e-3", "--warmup-steps", "5",
         "--eval-batches", "2", "--local-steps", "10", "--min-local-steps", "10"]
 
+
+# Round outcomes after which a peer holds the swarm's parameters for the round's new epoch.
+SYNCED = ("averaged", "folded_late", "resynced")
+# The longest a FAST round may take: matchmaking_timeout_s + allreduce_timeout_s + the averager's grace.
+ROUND_BUDGET_S = 15 + 30 + 10
+
+
+def check_rounds(rounds: dict[str, list[dict]]) -> None:
+    """Assert what every fault test needs: identical parameters wherever an epoch was reached through the
+    swarm, and every round ended (averaged or cleanly skipped) within its deadline."""
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    for rows in rounds.values():
+        for r in rows:
+            if r["outcome"] in SYNCED:
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+    assert by_epoch and all(len(s) == 1 for s in by_epoch.values()), by_epoch
+    for name, rows in rounds.items():
+        for r in rows:
+            assert r["outcome"] in (*SYNCED, "skipped"), (name, r)
+            assert r["wait_seconds"] + r["allreduce_seconds"] <= ROUND_BUDGET_S, (name, r)
 
 def env(**extra: str) -> dict[str, str]:
     e = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)

@@ -8,11 +8,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wait_for
+from swarm_procs import SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
 
 pytestmark = pytest.mark.slow
-
-SYNCED = ("averaged", "folded_late", "resynced")
 
 
 def _sha_by_epoch(tmp: Path, names: list[str]) -> dict[int, set[str]]:
