@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from p2p_diloco.swarm import RoundAverager
-from p2p_diloco.swarm.averager import RoundResult
+from p2p_diloco.swarm.result import RoundResult
 
 if TYPE_CHECKING:
     from p2p_diloco.peer.report import RoundReport

@@ -1,7 +1,7 @@
 """The hivemind swarm layer: DHT start-up, progress and checksum records, fault-tolerant averaging rounds
 and verified state download. It moves lists of tensors and metadata; the caller applies the math."""
 
-from p2p_diloco.swarm.averager import RoundAverager, RoundResult
+from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.checksum import layout_fingerprint, params_sha256
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, ensure_identity, start_dht, visible_maddrs
@@ -15,6 +15,7 @@ from p2p_diloco.swarm.records import (
     publish_checksum,
     publish_progress,
 )
+from p2p_diloco.swarm.result import RoundResult
 from p2p_diloco.swarm.state import StateServer, SwarmState, download_state
 
 __all__ = [

@@ -22,7 +22,6 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import hivemind
@@ -45,6 +44,7 @@ from p2p_diloco.swarm.group import (
     encode_gather,
     plan_group,
 )
+from p2p_diloco.swarm.result import RoundResult
 from p2p_diloco.swarm.runner import (
     STATUS_SUFFIX,
     ByteCounter,
@@ -59,43 +59,6 @@ from p2p_diloco.swarm.state import StateSharingMixin
 logger = logging.getLogger(__name__)
 
 _HOST_GRACE_S = 10.0
-
-
-@dataclass
-class RoundResult:
-    """What one round produced for this peer. Tensors are on the CPU, in the template's dtypes."""
-
-    outcome: str
-    """"averaged" (every member confirmed a complete all-reduce) or "skipped" (nothing to apply)."""
-    reason: str
-    """Why the round was skipped; empty when averaged."""
-    epoch: int
-    group_size: int = 0
-    """Members the all-reduce ran over (0 when no group formed)."""
-    contributors: tuple[str, ...] = ()
-    """Base58 peer ids of those members, in the group's order; the tuples below are aligned with it."""
-    weights: tuple[float, ...] = ()
-    stale_weights: tuple[float, ...] = ()
-    stalenesses: tuple[int, ...] = ()
-    refused: tuple[str, ...] = ()
-    """Members of the matched group left out, each as "peer id: reason"."""
-    rejected: tuple[str, ...] = ()
-    """Hostile or unauthorised input rejected at receipt, each as "peer id: reason" (implausible weight, NaN
-    or wrong-shaped part, outlier norm, not an allowed peer); those peers are banned for the rest of the run."""
-    fresh_mean: list[torch.Tensor] | None = None
-    """Sum w_i D_i / sum w_i over members carrying fresh work."""
-    stale_term: list[torch.Tensor] | None = None
-    """Sum s_j E_j / sum w_i over members carrying stale work; ``None`` when nobody in the group did."""
-    allreduce_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    """Time spent finding the group (matchmaking)."""
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    """Serialized protobuf payload of the all-reduce messages (see ``runner.ByteCounter``)."""
-
-    @property
-    def averaged(self) -> bool:
-        return self.outcome == "averaged"
 
 
 def _corrupt(tensors: Sequence[torch.Tensor], factor: object) -> None:
