@@ -90,6 +90,21 @@ def events(tmp: Path, name: str, kind: str | None = None) -> list[dict]:
     return [r for r in rows if kind is None or r["event"] == kind]
 
 
+def assert_loss_fell(tmp: Path, names: list[str], by: float) -> None:
+    """Each named peer's last eval loss is at least ``by`` below the untrained model's.
+
+    The untrained loss comes from whichever peer of the run evaluated epoch 0 (all start from the same seed): a
+    peer that joined after round 0 downloaded a model that had trained already, so its own first eval is no
+    start.
+    """
+    peers = [path.stem for path in sorted(tmp.glob("*.jsonl"))]
+    untrained = [e["eval_loss"] for n in peers for e in events(tmp, n, "eval") if e["epoch"] == 0]
+    assert untrained, "no peer evaluated the untrained model"
+    for name in names:
+        last = [r["eval_loss"] for r in events(tmp, name, "round") if r["eval_loss"] is not None][-1]
+        assert last < untrained[0] - by, (name, untrained, last)
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

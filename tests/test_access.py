@@ -119,7 +119,7 @@ def test_allowed_peers_is_enforced_on_every_averager_rpc_and_garbage_is_survived
 
 def test_plan_refuses_members_outside_allowed_peers_on_every_member_alike(tmp_path: Path) -> None:
     ids = [PeerID.from_base58(ensure_identity(str(tmp_path / f"{i}.key"))) for i in range(3)]
-    info = MemberInfo.for_round("run", FINGERPRINT, 0, 1.0, 0.0, 0, True, False)
+    info = MemberInfo.for_round("run", FINGERPRINT, 0, 1.0, 0.0, 0, True, False, norm=1.0, stale_norm=0.0)
     gathered = [encode_gather(None, AveragingMode.NODE, info)] * 3
     allowed = frozenset(p.to_base58() for p in ids[:2])
     for me in ids[:2]:

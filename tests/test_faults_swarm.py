@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from swarm_procs import (
     SYNCED,
+    assert_loss_fell,
     check_rounds,
     events,
     kill_tree,
@@ -102,7 +103,4 @@ def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> N
     assert any(r["epoch"] == 5 for r in rounds["a"]), rounds["a"]
 
     # the loss fell on the honest peers, NaN attack notwithstanding
-    for name in "ab":
-        start = events(tmp_path, name, "eval")[0]["eval_loss"]
-        last = [r["eval_loss"] for r in rounds[name] if r["eval_loss"] is not None][-1]
-        assert last < start - 1.0, (name, start, last)
+    assert_loss_fell(tmp_path, ["a", "b"], by=1.0)

@@ -70,7 +70,8 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 
 
 def _valid_wire() -> dict:
-    return MemberInfo.for_round("run", FINGERPRINT, 3, 2.0, 0.0, 0, True, False).to_wire()
+    info = MemberInfo.for_round("run", FINGERPRINT, 3, 2.0, 0.0, 0, True, False, norm=1.5, stale_norm=0.0)
+    return info.to_wire()
 
 
 @FUZZ
@@ -120,7 +121,7 @@ def test_decode_gather_on_random_bytes(raw: bytes) -> None:
 
 @FUZZ
 @given(bandwidth=values, mode=values, user=values, mutate=st.dictionaries(
-    st.sampled_from(["v", "run", "fp", "ep", "w", "sw", "st", "f", "s", "extra"]), values, max_size=3))
+    st.sampled_from(["v", "run", "fp", "ep", "w", "sw", "st", "f", "s", "n", "sn", "extra"]), values, max_size=3))
 def test_decode_gather_on_wrong_structures(bandwidth: object, mode: object, user: object, mutate: dict) -> None:
     wire = {**_valid_wire(), **mutate} if mutate else user
     try:

@@ -5,6 +5,9 @@ Six real ``RoundAverager`` processes on loopback form one group: three honest on
 - ``nan``: sends NaN in every part (fault ``nan_input@0``): every reducer drops its parts;
 - ``big``: sends its pseudo-gradient times 1000 (``byzantine@0=1000``): dropped by the norm screen;
 - ``liar``: claims a weight of 1e11 samples, over ``max_round_weight``: refused by every member's plan.
+
+A second group of four has a hostile reducer (``hostile_reducer@0=1e6``): it sends its groupmates one averaged
+part scaled by 1e6. Every honest member refuses it on receipt, skips the round and bans the reducer.
 """
 
 from __future__ import annotations
@@ -75,3 +78,26 @@ def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(s
     # the rejected senders still received the group's values: a buggy (not malicious) peer stays in sync
     for name in ("nan", "big"):
         assert results[name]["outcome"] == "averaged" and results[name]["fresh_sha"] in shas
+
+
+def test_a_hostile_reducer_is_refused_by_every_member_and_banned(swarm: Swarm) -> None:
+    # 1 KiB parts (256 values), so that each of the four members reduces a few parts
+    cfg = dict(run_id="reducer", min_group_size=4, target_group_size=4, matchmaking_time_s=4.0,
+               matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,
+               part_size_bytes=1024)
+    common = dict(role="average", shapes=[[64, 32], [500]], fingerprint="abcdef0123456789", cfg=cfg)
+    honest = [swarm.spawn(f"h{v}", fresh=float(v), weight=1.0, **common) for v in (1, 2, 3)]
+    evil = swarm.spawn("evil", fresh=1.0, weight=1.0, faults="hostile_reducer@0=1e6", **common)
+    swarm.wait_ready(timeout=120)
+    results = {p.name: swarm.result(p, timeout=120) for p in [*honest, evil]}
+    assert "FAULT FIRED hostile_reducer@0" in evil.log_tail(10**6)
+    evil_id = evil.info["peer_id"]
+    for peer in honest:
+        result = results[peer.name]
+        assert result["outcome"] == "skipped" and result["fresh_mean"] is None, result
+        assert evil_id in result["reason"] or "reducer sent" in result["reason"], result["reason"]
+        reasons = dict(entry.split(": ", 1) for entry in result["rejected"])
+        assert "above" in reasons[evil_id] and "honest reducer" in reasons[evil_id], reasons
+        assert set(reasons) == {evil_id}, reasons  # no honest member is blamed
+    # the reducer itself hears that its groupmates did not complete, so nobody applies the round
+    assert results["evil"]["outcome"] == "skipped"

@@ -8,7 +8,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from swarm_procs import SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
+from swarm_procs import (
+    SYNCED,
+    assert_loss_fell,
+    events,
+    start_bootstrap,
+    start_peer,
+    tail,
+    wait_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,10 +74,7 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
         assert len(shas) == 1, f"epoch {epoch}: {len(shas)} different parameter checksums"
 
     # Loss falls on every original peer.
-    for name in "abc":
-        first = events(tmp_path, name, "eval")[0]["eval_loss"]
-        last = [r["eval_loss"] for r in rounds[name] if r["eval_loss"] is not None][-1]
-        assert last < first - 1.0, (name, first, last)
+    assert_loss_fell(tmp_path, ["a", "b", "c"], by=1.0)
 
     # c missed epoch 1, resynchronised, and its late work was folded in later with staleness recorded.
     assert any(r["epoch"] == 1 and r["outcome"] == "resynced" for r in rounds["c"]), rounds["c"]

@@ -61,7 +61,7 @@ def test_norm_outliers_flag_only_the_huge_vector_and_need_three() -> None:
 
 def test_implausible_weights_are_found_by_cap_and_by_ratio() -> None:
     def info(weight: float) -> MemberInfo:
-        return MemberInfo.for_round("run", "abcdef0123456789", 0, weight, 0.0, 0, True, False)
+        return MemberInfo.for_round("run", "abcdef0123456789", 0, weight, 0.0, 0, True, False, norm=weight, stale_norm=0.0)
 
     found = implausible_weights([info(100.0), info(120.0), info(5e9), info(1e6)], 1e8, 1000.0)
     assert set(found) == {2, 3}

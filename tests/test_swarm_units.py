@@ -112,6 +112,8 @@ def _info(weight: float = 0.0, stale_weight: float = 0.0, **overrides: object) -
         staleness=2 if stale_weight else 0,
         has_fresh=weight > 0,
         has_stale=stale_weight > 0,
+        norm=weight,
+        stale_norm=stale_weight,
     )
     values.update(overrides)
     return MemberInfo(**values)  # type: ignore[arg-type]
@@ -183,7 +185,10 @@ def test_plan_skips_groups_without_fresh_work_or_reducers() -> None:
         dict(run="a" * 100),
         dict(f=1),
         dict(f=False),  # weight > 0 but claims no fresh work
-        dict(v=2),
+        dict(v=1),  # the version before announced norms
+        dict(n=float("inf")),
+        dict(n=-0.5),
+        dict(sn=1.0),  # a norm for stale work it does not carry
         dict(extra=1),
     ],
 )
@@ -232,11 +237,16 @@ def test_global_epoch_is_the_max_of_non_client_peers_with_optional_quorum() -> N
 
 
 def test_member_info_for_round_validates_and_marks_absent_work() -> None:
-    info = MemberInfo.for_round("run", "abcdef0123456789", 3, 2.0, 0.0, 5, True, True)
+    norms = dict(norm=0.5, stale_norm=0.25)
+    info = MemberInfo.for_round("run", "abcdef0123456789", 3, 2.0, 0.0, 5, True, True, **norms)
     assert info.has_fresh and not info.has_stale and info.staleness == 0  # zero stale weight: no stale work
+    assert info.norm == 0.5 and info.stale_norm == 0.0
     assert MemberInfo.from_wire(info.to_wire()) == info
-    info = MemberInfo.for_round("run", "abcdef0123456789", 3, 2.0, 1.0, 5, False, True)
+    info = MemberInfo.for_round("run", "abcdef0123456789", 3, 2.0, 1.0, 5, False, True, **norms)
     assert not info.has_fresh and info.weight == 0.0 and info.has_stale and info.staleness == 5
+    assert info.norm == 0.0 and info.stale_norm == 0.25
+    with pytest.raises(ValueError, match="absent"):
+        MemberInfo.from_wire(info.to_wire() | {"n": 1.0})
     for bad in (
         dict(weight=float("nan")),
         dict(weight=-1.0),
@@ -244,7 +254,10 @@ def test_member_info_for_round_validates_and_marks_absent_work() -> None:
         dict(staleness=-1),
         dict(epoch=1.5),
         dict(epoch=True),
+        dict(norm=float("nan")),
+        dict(stale_norm=-1.0),
+        dict(norm=1e31),
     ):
-        args = dict(weight=1.0, stale_weight=0.0, staleness=0, epoch=0) | bad
+        args = dict(weight=1.0, stale_weight=0.0, staleness=0, epoch=0, norm=1.0, stale_norm=0.0) | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             MemberInfo.for_round("run", "abcdef0123456789", carries_fresh=True, carries_stale=False, **args)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from p2p_diloco.core.bounds import FLOAT_SLACK, clip_claims, clip_to_budget
+
 logger = logging.getLogger(__name__)
 
 AGGREGATIONS = ("mean", "trimmed-mean", "centered-clip")
@@ -231,8 +233,9 @@ def assign_parts(part_sizes: Sequence[int], fractions: Sequence[float]) -> list[
 class GroupReduction:
     """A fixed group's all-reduce without a network: what the swarm's reducers compute, member by member.
 
-    Each sender's tensors are pre-scaled by ``n * w_k / W``, split into parts as hivemind does, and each part
-    is reduced by its owner with :func:`reduce_part`. A sender the norm screen drops is dropped from that
+    Each sender's tensors are pre-scaled by ``n * w_k / W``, split into parts as hivemind does, clipped to the
+    norm the sender announces (its true norm, clipped by ``core.bounds.clip_claims`` like the swarm's), and
+    each part is reduced by its owner with :func:`reduce_part`. A sender the norm screen drops is dropped from that
     reducer's later parts of the round and from all its parts in later rounds (the averager bans it for the
     run); other reducers keep it until their own screen catches it. Simplification: the group never changes,
     while in the swarm a peer that banned the sender also refuses to group with it when it leads matchmaking.
@@ -271,6 +274,18 @@ class GroupReduction:
             for tensors, s in zip(tensors_by_sender, scales, strict=True)
         ]
         owners = assign_parts([p.numel() for p in parts[0]], [1.0] * self.members)
+        claims = clip_claims(
+            [math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in ts))
+             for ts in tensors_by_sender],
+            weights,
+            self.norm_factor,
+        )
+        spent = [[0.0] * self.members for _ in range(self.members)]  # per reducer, per sender
+        for index, owner in enumerate(owners):
+            for k in range(self.members):
+                parts[k][index], spent[owner][k], _ = clip_to_budget(
+                    parts[k][index], spent[owner][k], FLOAT_SLACK * scales[k] * claims[k]
+                )
         # Within the round a reducer drops a rejected sender from its later parts, itself included; only
         # others are banned for the run (an averager never bans itself).
         rejected = [dict(banned) for banned in self.banned]

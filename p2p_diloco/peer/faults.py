@@ -11,7 +11,10 @@ entries, optionally ``ACTION@EPOCH=VALUE``:
 - ``slow_sender@E=SECONDS``: stall SECONDS inside the epoch-E all-reduce, after the first part went out (a
   congested uplink; beyond ``next_chunk_timeout_s`` the groupmates give up on this peer);
 - ``byzantine@E=SCALE``: send the epoch-E pseudo-gradient multiplied by SCALE (e.g. -20: a scaled,
-  sign-flipped attack); ``nan_input@E``: send NaN instead. Reducers must reject or out-vote these.
+  sign-flipped attack), announcing the norm of what it sends; ``nan_input@E``: send NaN instead. Reducers
+  must reject or out-vote these;
+- ``hostile_reducer@E=FACTOR``: as a reducer in epoch E, send the groupmates the first averaged part
+  multiplied by FACTOR (a hostile reducer). Members must refuse it and ban this peer.
 
 Faults outside one peer (a partition, losing the bootstrap node) are driven by the tests themselves.
 
@@ -42,8 +45,9 @@ ACTIONS = (
     "slow_sender",
     "byzantine",
     "nan_input",
+    "hostile_reducer",
 )
-_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine")
+_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine", "hostile_reducer")
 
 
 @dataclass(frozen=True)
@@ -90,13 +94,21 @@ class FaultPlan:
     def set_epoch(self, epoch: int) -> None:
         self._epoch.value = epoch
 
-    def _find(self, action: str) -> Fault | None:
+    def _pending(self, action: str) -> int | None:
+        """Index of the first fault of ``action`` due in this epoch that has not fired yet."""
         for i, fault in enumerate(self.faults):
             if fault.action == action and fault.epoch == self._epoch.value and not self._fired[i]:
-                if action != "slow_steps":
-                    self._fired[i] = 1
-                return fault
+                return i
         return None
+
+    def _find(self, action: str) -> Fault | None:
+        """The due fault of ``action``, marked as fired (``slow_steps`` stays due for its whole epoch)."""
+        i = self._pending(action)
+        if i is None:
+            return None
+        if action != "slow_steps":
+            self._fired[i] = 1
+        return self.faults[i]
 
     def _crash(self) -> None:
         """SIGKILL the whole peer: its DHT and averager processes and their p2p daemons first (a crashed
@@ -126,6 +138,15 @@ class FaultPlan:
 
     def averager_hook(self, stage: str) -> bool | float | None:
         """Runs inside the averager process (see ``swarm.runner.FaultHook``)."""
+        if stage == "announce":
+            i = self._pending("byzantine")
+            return None if i is None else self.faults[i].value
+        if stage == "corrupt_output":
+            fault = self._find("hostile_reducer")
+            if fault:
+                self.record("hostile_reducer", self._epoch.value)
+                return fault.value
+            return None
         if stage == "corrupt_input":
             for action in ("byzantine", "nan_input"):
                 fault = self._find(action)

@@ -31,10 +31,12 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
+from p2p_diloco.core.bounds import norm_tolerance, output_bound
+from p2p_diloco.core.hivemind_codecs import CodecCompression
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
@@ -71,6 +73,22 @@ def _corrupt(tensors: Sequence[torch.Tensor], factor: object) -> None:
                 tensor.fill_(float("nan"))
             else:
                 tensor.mul_(factor)
+
+
+def _l2(tensors: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in tensors))
+
+
+def _tolerance(compression: CompressionBase) -> float | None:
+    """``core.bounds.norm_tolerance`` of the wire compression; ``None`` for hivemind's other codecs, whose
+    worst-case norm gain is not known: senders are then not clipped and reducers' outputs not bounded."""
+    if isinstance(compression, CodecCompression):
+        return norm_tolerance(compression.codec.name, compression.error_feedback is not None)
+    if isinstance(compression, Float16Compression):
+        return norm_tolerance("fp16", False)
+    if isinstance(compression, NoCompression):
+        return norm_tolerance("none", False)
+    return None
 
 
 def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
@@ -116,6 +134,7 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
         self._layout = [(tuple(t.shape), t.dtype) for t in template]
         buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout * 2]
         self._fault_hook = fault_hook
+        self._tolerance = _tolerance(compression if compression is not None else NoCompression())
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
         super().__init__(
@@ -177,6 +196,9 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
             self._check_tensors("fresh", fresh)
         if stale is not None:
             self._check_tensors("stale", stale)
+        # A Byzantine test peer announces the norm of what it will send, as a real attacker could.
+        scale = self._fault_hook("announce") if self._fault_hook is not None else None
+        inflate = abs(scale) if isinstance(scale, float) and math.isfinite(scale) else 1.0
         info = MemberInfo.for_round(
             self.cfg.run_id,
             self.fingerprint,
@@ -186,6 +208,8 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
             staleness,
             fresh is not None,
             stale is not None,
+            norm=inflate * _l2(fresh) if fresh is not None else 0.0,
+            stale_norm=inflate * _l2(stale) if stale is not None else 0.0,
         )
         has_fresh, has_stale = info.has_fresh, info.has_stale
         budget = self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s + _HOST_GRACE_S
@@ -414,15 +438,25 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
                 self._fault_hook("allreduce_begin")
                 _corrupt(tensors, self._fault_hook("corrupt_input"))
             make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
+            tolerance = self._tolerance
+            limits = None if tolerance is None else plan.sender_limits(self.cfg.norm_outlier_factor, tolerance)
             robust = dict(
-                sender_weights=[m.weight if m.has_fresh else 0.0 for m in plan.members],
+                sender_weights=plan.fresh_weights(),
+                limits=limits,
                 claimed_weights=[(m.weight if m.has_fresh else 0.0) + (m.stale_weight if m.has_stale else 0.0)
                                  for m in plan.members],
                 method=self.cfg.aggregation,
                 norm_factor=self.cfg.norm_outlier_factor,
                 banned=frozenset(self._banned),
             )
-            runner = make_runner(tensors, b"", fault_hook=self._fault_hook, robust=robust)
+            bounds = None if limits is None or tolerance is None else tuple(
+                output_bound([limit[region] for limit in limits], plan.fresh_weights(), tolerance)
+                for region in (0, 1)
+            )
+            runner = make_runner(
+                tensors, b"", fault_hook=self._fault_hook, robust=robust, bounds=bounds,
+                fresh_tensors=self.num_tensors,
+            )
             faults = await run_allreduce(runner, tensors)
             rejected.update(runner.rejected())
             summary["rejected"] = self._ban(rejected)

@@ -29,14 +29,16 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
+from p2p_diloco.core.bounds import clip_claims
 from p2p_diloco.swarm.config import RUN_ID_PATTERN
 
-GATHER_VERSION = 1
+GATHER_VERSION = 2
 MAX_WEIGHT = 1e12
+MAX_NORM = 1e30
 MAX_STALENESS = 10**6
 _MAX_GATHER_BYTES = 4096
 FINGERPRINT_PATTERN = re.compile(r"^[0-9a-f]{8,64}$")
-_KEYS = frozenset({"v", "run", "fp", "ep", "w", "sw", "st", "f", "s"})
+_KEYS = frozenset({"v", "run", "fp", "ep", "w", "sw", "st", "f", "s", "n", "sn"})
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,10 @@ class MemberInfo:
     """How many epochs old its stale contribution is (0 when it carries none)."""
     has_fresh: bool
     has_stale: bool
+    norm: float = 0.0
+    """L2 norm of its fresh pseudo-gradient; reducers hold what it sends to this (``core.bounds``)."""
+    stale_norm: float = 0.0
+    """L2 norm of its stale pseudo-gradient, before the caller's weight."""
 
     @classmethod
     def for_round(
@@ -66,14 +72,22 @@ class MemberInfo:
         staleness: int,
         carries_fresh: bool,
         carries_stale: bool,
+        *,
+        norm: float,
+        stale_norm: float,
     ) -> MemberInfo:
         """This peer's announcement, from the caller's arguments; ``ValueError`` names a bad one. A zero
         weight means "no such work": the contribution is then announced (and sent) as absent."""
-        for name, value in (("weight", weight), ("stale_weight", stale_weight)):
+        for name, value, high in (
+            ("weight", weight, MAX_WEIGHT),
+            ("stale_weight", stale_weight, MAX_WEIGHT),
+            ("norm", norm, MAX_NORM),
+            ("stale_norm", stale_norm, MAX_NORM),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-            if not 0 <= value <= MAX_WEIGHT:
-                raise ValueError(f"{name} must be within [0, {MAX_WEIGHT}], got {value!r}")
+            if not 0 <= value <= high:
+                raise ValueError(f"{name} must be within [0, {high}], got {value!r}")
         for name, value, high in (("staleness", staleness, MAX_STALENESS), ("epoch", epoch, 10**9)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
                 raise ValueError(f"{name} must be an integer within [0, {high}], got {value!r}")
@@ -87,6 +101,8 @@ class MemberInfo:
             staleness=staleness if has_stale else 0,
             has_fresh=has_fresh,
             has_stale=has_stale,
+            norm=float(norm) if has_fresh else 0.0,
+            stale_norm=float(stale_norm) if has_stale else 0.0,
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -100,6 +116,8 @@ class MemberInfo:
             "st": self.staleness,
             "f": self.has_fresh,
             "s": self.has_stale,
+            "n": float(self.norm),
+            "sn": float(self.stale_norm),
         }
 
     @classmethod
@@ -118,17 +136,20 @@ class MemberInfo:
             value = obj[key]
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
                 raise ValueError(f"field {key!r} must be an integer within [0, {high}]")
-        for key in ("w", "sw"):
+        for key, high in (("w", MAX_WEIGHT), ("sw", MAX_WEIGHT), ("n", MAX_NORM), ("sn", MAX_NORM)):
             value = obj[key]
             if isinstance(value, bool) or not isinstance(value, float) or not math.isfinite(value):
                 raise ValueError(f"field {key!r} must be a finite float")
-            if not 0.0 <= value <= MAX_WEIGHT:
-                raise ValueError(f"field {key!r} must be within [0, {MAX_WEIGHT}]")
+            if not 0.0 <= value <= high:
+                raise ValueError(f"field {key!r} must be within [0, {high}]")
         if not isinstance(obj["f"], bool) or not isinstance(obj["s"], bool):
             raise ValueError("flags must be booleans")
-        info = cls(run_id, fingerprint, obj["ep"], obj["w"], obj["sw"], obj["st"], obj["f"], obj["s"])
+        info = cls(run_id, fingerprint, obj["ep"], obj["w"], obj["sw"], obj["st"], obj["f"], obj["s"],
+                   obj["n"], obj["sn"])
         if info.has_fresh != (info.weight > 0) or info.has_stale != (info.stale_weight > 0):
             raise ValueError("work flags disagree with the weights")
+        if (not info.has_fresh and info.norm) or (not info.has_stale and info.stale_norm):
+            raise ValueError("a norm is announced for work that is absent")
         return info
 
 
@@ -162,6 +183,26 @@ class GroupPlan:
         denominator = max(self.fresh_weight_total, late_total)
         stale = n * info.stale_weight / denominator if info.has_stale and denominator > 0 else 0.0
         return fresh, stale
+
+    def fresh_weights(self) -> list[float]:
+        """Each member's fresh weight, 0 for members without fresh work: the reducers' ``sender_weights``."""
+        return [m.weight if m.has_fresh else 0.0 for m in self.members]
+
+    def sender_limits(self, factor: float, tolerance: float) -> list[tuple[float, float]]:
+        """Per member, the most its pre-scaled fresh and stale parts may weigh in L2 norm, all parts of one
+        region together: its announced norms (clipped, ``core.bounds.clip_claims``) times its scales and the
+        codec's ``tolerance``. Reducers clip senders to these; members bound reducers' outputs by them."""
+        fresh = clip_claims([m.norm for m in self.members], self.fresh_weights(), factor)
+        stale = clip_claims(
+            [m.stale_norm for m in self.members],
+            [m.stale_weight if m.has_stale else 0.0 for m in self.members],
+            factor,
+        )
+        limits = []
+        for peer_id, fresh_claim, stale_claim in zip(self.peer_ids, fresh, stale, strict=True):
+            fresh_scale, stale_scale = self.local_scales(peer_id)
+            limits.append((tolerance * fresh_scale * fresh_claim, tolerance * stale_scale * stale_claim))
+        return limits
 
 
 def encode_gather(bandwidth: float | None, mode: AveragingMode, info: MemberInfo) -> bytes:

@@ -7,7 +7,8 @@ reducer keeps every sender's copy of the current part (one part of ``part_size_b
 the part is reduced) and only when all have arrived:
 
 1. drops parts that were rejected on arrival (wrong shape or dtype, NaN or infinite values, or a sender
-   banned earlier in this run);
+   banned earlier in this run), and scales a sender's parts down where, summed over this reducer's span,
+   they would exceed the norm it announced (``core.bounds``: so its groupmates can bound our output);
 2. drops parts whose weight-normalised L2 norm is more than ``norm_factor`` times the median
    (``core.robust.norm_outliers``);
 3. combines the rest with ``mean``, ``trimmed-mean`` or ``centered-clip``, and rescales so that the result is
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 
+from p2p_diloco.core.bounds import clip_to_budget
 from p2p_diloco.core.robust import reduce_part
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class RobustPartReducer(TensorPartReducer):
     :param method: one of ``core.robust.AGGREGATIONS``.
     :param norm_factor: ``SwarmConfig.norm_outlier_factor``; 0 disables the norm screen.
     :param banned: senders banned earlier in this run; all their parts are dropped.
+    :param limits: per sender, the L2 norm its fresh and stale parts may reach together
+      (``GroupPlan.sender_limits``); ``None`` clips nothing.
+    :param regions: per part, 0 when it belongs to a fresh tensor and 1 for a stale one (needed with ``limits``).
     """
 
     def __init__(
@@ -69,9 +74,17 @@ class RobustPartReducer(TensorPartReducer):
         method: str,
         norm_factor: float,
         banned: frozenset[str] = frozenset(),
+        limits: Sequence[tuple[float, float]] | None = None,
+        regions: Sequence[int] = (),
     ):
         if len(sender_ids) != len(sender_weights):
             raise ValueError("one weight per sender is needed")
+        if limits is not None and (len(limits) != len(sender_ids) or len(regions) != len(part_shapes)):
+            raise ValueError("limits need one entry per sender and regions one per part")
+        self.limits, self.regions = limits, tuple(regions)
+        self._spent = [[0.0, 0.0] for _ in sender_ids]  # squared norm accepted so far, per sender and region
+        self.clipped: set[str] = set()
+        """Senders whose parts were scaled down to their announced norm in this round."""
         self.part_dtype = part_dtype
         self.sender_ids = tuple(sender_ids)
         self.sender_weights = tuple(float(w) for w in sender_weights)
@@ -122,10 +135,22 @@ class RobustPartReducer(TensorPartReducer):
             if problem is not None:
                 self.rejections[sender_index] = problem
             else:
-                self._received[sender_index] = tensor_part
+                self._received[sender_index] = self._within_limit(sender_index, part_index, tensor_part)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
         return await future
+
+    def _within_limit(self, sender_index: int, part_index: int, part: torch.Tensor) -> torch.Tensor:
+        if self.limits is None:
+            return part
+        region = self.regions[part_index]
+        part, self._spent[sender_index][region], clipped = clip_to_budget(
+            part, self._spent[sender_index][region], self.limits[sender_index][region]
+        )
+        if clipped and self.sender_ids[sender_index] not in self.clipped:
+            self.clipped.add(self.sender_ids[sender_index])
+            logger.info("Scaled %s's parts down to the norm it announced", self.sender_ids[sender_index])
+        return part
 
     def check_current_part_finished(self) -> None:
         if self.current_part_accumulated_from < self.num_current_senders:

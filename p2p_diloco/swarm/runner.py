@@ -32,12 +32,15 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from p2p_diloco.swarm.reducer import RobustPartReducer
+from p2p_diloco.swarm.verify import AverageCheck, part_regions
 
 logger = logging.getLogger(__name__)
 
 FaultHook = Callable[[str], "bool | float | None"]
 """Called inside the averager process at named stages: "allreduce_begin", "corrupt_input" (returning a number
-multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzantine sender), "part_sent"
+multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzantine sender), "announce" (on
+the host, without firing: the same factor, applied to the announced norms), "corrupt_output" (returning a
+number multiplies the averaged parts this member sends as a reducer: a hostile reducer), "part_sent"
 (after the first part went to a remote reducer) and "confirm" (returning ``False`` there makes this member
 report an incomplete all-reduce). Tests use it to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
 STATUS_SUFFIX = b".done"
@@ -122,9 +125,12 @@ class CountingAllReduceRunner(AllReduceRunner):
         counter: ByteCounter,
         fault_hook: FaultHook | None = None,
         robust: dict[str, Any] | None = None,
+        bounds: tuple[float, float] | None = None,
+        fresh_tensors: int = 0,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
+        my_index = self.ordered_peer_ids.index(self.peer_id)
         if robust is not None:
             # replace hivemind's trusting reducer before any part can arrive (nothing awaited since __init__)
             self.tensor_part_reducer.finished.set()  # retire it silently
@@ -133,12 +139,22 @@ class CountingAllReduceRunner(AllReduceRunner):
                 tuple(part.shape for part in parts),
                 parts[0].dtype if parts else torch.float32,
                 [peer.to_base58() for peer in self.sender_peer_ids],
+                regions=part_regions(self.tensor_part_container, my_index, fresh_tensors),
                 **robust,
             )
+        self._check: AverageCheck | None = None
+        if bounds is not None:
+            self._check = AverageCheck(
+                self.tensor_part_container,
+                [p.to_base58() for p in self.ordered_peer_ids],
+                my_index,
+                bounds,
+                fresh_tensors,
+            )
+            self._check.install()
         self._counter = counter
         self._fault_hook = fault_hook
         self._remote_parts_sent = 0
-        my_index = self.ordered_peer_ids.index(self.peer_id)
         # hivemind keeps (part, CompressionInfo) pairs here; the infos let the averaged part be compressed
         # exactly as the input parts were
         self._my_part_infos = tuple(
@@ -153,6 +169,9 @@ class CountingAllReduceRunner(AllReduceRunner):
         if future is None:
             compression = self.tensor_part_container.compression
             info = self._my_part_infos[part_index]
+            factor = self._fault_hook("corrupt_output") if self._fault_hook is not None else None
+            if isinstance(factor, float):
+                averaged_part = averaged_part * factor
             future = asyncio.get_running_loop().run_in_executor(
                 None, lambda: compression.compress(averaged_part, info, allow_inplace=False)
             )
@@ -235,6 +254,8 @@ class CountingAllReduceRunner(AllReduceRunner):
         values that fell back to our own because their reducer failed, and the runner ending with an error.
         """
         reasons = list(getattr(self.tensor_part_reducer, "reduce_faults", []))
+        if self._check is not None:
+            reasons += [f"{peer[-8:]}: {reason}" for peer, reason in self._check.failed.items()]
         if self.banned_senders:
             names = ", ".join(sorted(peer.to_base58()[-8:] for peer in self.banned_senders))
             reasons.append(
@@ -256,9 +277,11 @@ class CountingAllReduceRunner(AllReduceRunner):
 
 
     def rejected(self) -> dict[str, str]:
-        """``{sender id: reason}`` for senders whose data this peer's reducer dropped (see ``reducer``)."""
+        """``{peer id: reason}`` for senders whose data this peer's reducer dropped (see ``reducer``) and
+        reducers whose averages failed our check (see ``verify``)."""
         reducer = self.tensor_part_reducer
-        return reducer.rejected() if isinstance(reducer, RobustPartReducer) else {}
+        found = reducer.rejected() if isinstance(reducer, RobustPartReducer) else {}
+        return found | (self._check.failed if self._check is not None else {})
 
 
 class RunnerFactory(Protocol):

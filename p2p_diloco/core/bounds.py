@@ -1,0 +1,110 @@
+"""How large a reducer's averaged part may honestly be (network-free): the check on what reducers send back.
+
+Senders are screened at the reducer (``core.robust``), but the reducer itself is just another peer: a hostile
+one can send its groupmates any values for the span it reduces, e.g. a part scaled by 1e6, which one outer
+step would write into every member's model. Every member can bound an honest reducer's output from public
+facts alone:
+
+1. each member announces the L2 norm of its fresh and of its late pseudo-gradient with its weights, before
+   the group forms (``swarm.group.MemberInfo``); a claim far above the group's (per unit of weight) is
+   clipped to ``factor`` times the lower median, as the norm screen would clip it (:func:`clip_claims`);
+2. reducers clip each sender's pre-scaled parts so that, summed over a span, their norm stays within that
+   sender's limit ``L_k = tolerance * scale_k * claim_k`` (:func:`clip_to_budget`), so a sender that
+   understates its norm cannot push an honest reducer over the bound;
+3. mean, trimmed mean and centered clipping all return a vector no longer than ``sqrt(sum_k |y_k|^2)`` of
+   their inputs ``y_k`` (the trimmed mean and the median coordinate by coordinate, centered clipping because
+   each iteration is a convex step from a point inside that ball), and the reducer then rescales by at most
+   :func:`rescale_bound`. So an honest reducer's output over any span of one region is no longer than
+   ``tolerance * rescale_bound * sqrt(sum_k L_k^2)`` (:func:`output_bound`).
+
+Every member computes the same bound from the same gathered metadata and receives the same bytes from an
+honest reducer, so every honest member reaches the same verdict on it. The bound limits the damage of a
+hostile reducer to about ``sqrt(n)`` times the largest plausible pseudo-gradient; values that are wrong but
+inside it (a flipped sign, a 2x scale) are not detected.
+
+Tolerance. Lossy codecs can raise a vector's norm when they round (E3M0 by up to 1/3 per value), and error
+feedback adds last round's rounding error to this round's values. :func:`norm_tolerance` covers the first
+exactly; for the second it allows a residual as large as the round's own values, and a sender whose residual
+is larger still (its pseudo-gradient shrank several-fold since the last round) has its parts clipped a little,
+losing part of that residual, never the round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+CODEC_NORM_GAIN = {"none": 1.0, "fp16": 1.0 + 2.0**-10, "int8": 1.1, "4bit": 1.45}
+"""How much each codec's round trip can raise a vector's L2 norm, with margin: fp16 rounds to 11 bits; int8 moves
+each value by at most absmax/254 (at most 4.5% of a block's norm with 128 values); E3M0 rounds up by at most
+1/3 (plus up to absmax/256 for the smallest values and 0.8% for the bf16 scale)."""
+ERROR_FEEDBACK_SLACK = 2.0
+"""Factor allowed on top of a codec's gain when error feedback adds last round's residual to the values."""
+FLOAT_SLACK = 1.001
+"""Room for float32 rounding in sums and rescaling."""
+
+
+def norm_tolerance(codec: str, error_feedback: bool) -> float:
+    """The factor by which a sent vector may exceed its announced norm, for a codec of ``CODEC_NORM_GAIN``."""
+    if codec not in CODEC_NORM_GAIN:
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NORM_GAIN)}")
+    return FLOAT_SLACK * CODEC_NORM_GAIN[codec] * (ERROR_FEEDBACK_SLACK if error_feedback else 1.0)
+
+
+def clip_claims(claims: Sequence[float], weights: Sequence[float], factor: float) -> list[float]:
+    """Claims with those above ``factor`` times the lower median (per unit of weight) clipped to that value.
+
+    ``claims[k]`` is member ``k``'s announced norm and ``weights[k]`` the weight it carries; members with zero
+    weight carry nothing and keep a claim of 0. A peer that trained more moves further, so claims are compared
+    per unit of weight, as ``core.robust.norm_outliers`` compares parts. ``factor <= 0`` clips nothing.
+    """
+    clipped = [float(c) if w > 0 else 0.0 for c, w in zip(claims, weights, strict=True)]
+    if factor <= 0:
+        return clipped
+    ratios = sorted(c / w for c, w in zip(clipped, weights, strict=True) if w > 0)
+    if len(ratios) < 2:
+        return clipped
+    cap = factor * ratios[(len(ratios) - 1) // 2]  # the lower median: one inflated claim cannot raise it
+    return [min(c, cap * w) if w > 0 else 0.0 for c, w in zip(clipped, weights, strict=True)]
+
+
+def rescale_bound(sender_weights: Sequence[float]) -> float:
+    """The largest factor ``core.robust.rescale_factor`` can return for any set of accepted senders.
+
+    ``(a / n) * (W / W_a)`` is largest when the accepted set holds every zero-weight sender and the lightest
+    senders with weight; the best prefix of the weights in ascending order is that set.
+    """
+    n = len(sender_weights)
+    positive = sorted(w for w in sender_weights if w > 0)
+    if not positive:
+        return 1.0
+    total, zeros = math.fsum(positive), n - len(positive)
+    best, prefix = 1.0, 0.0
+    for count, weight in enumerate(positive, start=1):
+        prefix += weight
+        best = max(best, (zeros + count) / n * total / prefix)
+    return best
+
+
+def output_bound(limits: Sequence[float], sender_weights: Sequence[float], tolerance: float) -> float:
+    """The largest L2 norm an honest reducer's output can have over its span of one region.
+
+    ``limits`` are the senders' limits ``L_k`` in that region (pre-scaled, tolerance included), and
+    ``tolerance`` the codec's (the reducer encodes its output once more).
+    """
+    return tolerance * rescale_bound(sender_weights) * math.sqrt(math.fsum(limit * limit for limit in limits))
+
+
+def clip_to_budget(part: torch.Tensor, spent: float, limit: float) -> tuple[torch.Tensor, float, bool]:
+    """Scale ``part`` down so that the squared norm spent so far plus its own stays within ``limit ** 2``.
+
+    Returns the (possibly scaled) part, the new squared norm spent, and whether it was clipped.
+    """
+    square = float(torch.linalg.vector_norm(part.double())) ** 2
+    room = max(limit * limit - spent, 0.0)
+    if square <= room:
+        return part, spent + square, False
+    factor = math.sqrt(room / square) if square > 0 else 0.0
+    return (part.double() * factor).to(part.dtype), spent + room, True
