@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from hivemind.averaging.partition import TensorPartContainer
+from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,6 +23,7 @@ from p2p_diloco.core.bounds import (
     rescale_bound,
 )
 from p2p_diloco.core.codecs import get_codec
+from p2p_diloco.core.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.core.robust import AGGREGATIONS, rescale_factor
 from p2p_diloco.swarm.reducer import RobustPartReducer
 from p2p_diloco.swarm.verify import AverageCheck
@@ -82,6 +84,14 @@ def test_codec_norm_gain_covers_real_round_trips(codec: str) -> None:
     with pytest.raises(ValueError, match="unknown codec"):
         norm_tolerance("zip", False)
     assert norm_tolerance("4bit", True) > norm_tolerance("4bit", False) > norm_tolerance("none", False) > 1.0
+
+
+def test_wire_compressions_map_to_their_tolerance_and_unknown_ones_turn_the_bounds_off() -> None:
+    assert wire_norm_tolerance(NoCompression()) == norm_tolerance("none", False)
+    assert wire_norm_tolerance(Float16Compression()) == norm_tolerance("fp16", False)
+    codec = CodecCompression("4bit", error_feedback=True)
+    assert wire_norm_tolerance(codec) == norm_tolerance("4bit", True)
+    assert wire_norm_tolerance(Uniform8BitQuantization()) is None
 
 
 @pytest.mark.parametrize("method", AGGREGATIONS)

@@ -49,6 +49,7 @@ from hivemind.compression import CompressionBase, CompressionInfo, Float16Compre
 from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.proto import runtime_pb2
 
+from p2p_diloco.core.bounds import norm_tolerance
 from p2p_diloco.core.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, Codec, ErrorFeedback, get_codec
 
 __all__ = [
@@ -194,3 +195,15 @@ def wire_compression(name: str, error_feedback: bool) -> CompressionBase:
     compression = CodecCompression(name, error_feedback=error_feedback)
     install(compression)  # before the averager process forks, so its decoder table knows the codec
     return compression
+
+
+def wire_norm_tolerance(compression: CompressionBase) -> float | None:
+    """``core.bounds.norm_tolerance`` of a wire compression; ``None`` for hivemind's other codecs, whose
+    worst-case norm gain is not known: senders are then not clipped and reducers' outputs not bounded."""
+    if isinstance(compression, CodecCompression):
+        return norm_tolerance(compression.codec.name, compression.error_feedback is not None)
+    if isinstance(compression, Float16Compression):
+        return norm_tolerance("fp16", False)
+    if isinstance(compression, NoCompression):
+        return norm_tolerance("none", False)
+    return None

@@ -31,12 +31,12 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
-from p2p_diloco.core.bounds import norm_tolerance, output_bound
-from p2p_diloco.core.hivemind_codecs import CodecCompression
+from p2p_diloco.core.bounds import output_bound
+from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
@@ -77,18 +77,6 @@ def _corrupt(tensors: Sequence[torch.Tensor], factor: object) -> None:
 
 def _l2(tensors: Sequence[torch.Tensor]) -> float:
     return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in tensors))
-
-
-def _tolerance(compression: CompressionBase) -> float | None:
-    """``core.bounds.norm_tolerance`` of the wire compression; ``None`` for hivemind's other codecs, whose
-    worst-case norm gain is not known: senders are then not clipped and reducers' outputs not bounded."""
-    if isinstance(compression, CodecCompression):
-        return norm_tolerance(compression.codec.name, compression.error_feedback is not None)
-    if isinstance(compression, Float16Compression):
-        return norm_tolerance("fp16", False)
-    if isinstance(compression, NoCompression):
-        return norm_tolerance("none", False)
-    return None
 
 
 def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
@@ -134,7 +122,7 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
         self._layout = [(tuple(t.shape), t.dtype) for t in template]
         buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout * 2]
         self._fault_hook = fault_hook
-        self._tolerance = _tolerance(compression if compression is not None else NoCompression())
+        self._tolerance = wire_norm_tolerance(compression if compression is not None else NoCompression())
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
         super().__init__(
