@@ -38,7 +38,8 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
 
 def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(swarm: Swarm) -> None:
     cfg = dict(run_id="hostile", min_group_size=5, target_group_size=8, matchmaking_time_s=4.0,
-               matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0)  # 6 processes
+               matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,  # 6 processes
+               request_timeout_s=3.0)  # a follower that gives up on a busy leader costs the group its round
     common = dict(role="average", shapes=SHAPES, fingerprint="abcdef0123456789", cfg=cfg)
     honest = [swarm.spawn(f"h{v}", fresh=float(v), weight=1.0, **common) for v in (1, 2, 3)]
     hostile = {
@@ -84,7 +85,7 @@ def test_a_hostile_reducer_is_refused_by_every_member_and_banned(swarm: Swarm) -
     # 1 KiB parts (256 values), so that each of the four members reduces a few parts
     cfg = dict(run_id="reducer", min_group_size=4, target_group_size=4, matchmaking_time_s=4.0,
                matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,
-               part_size_bytes=1024)
+               part_size_bytes=1024, request_timeout_s=3.0)
     common = dict(role="average", shapes=[[64, 32], [500]], fingerprint="abcdef0123456789", cfg=cfg)
     honest = [swarm.spawn(f"h{v}", fresh=float(v), weight=1.0, **common) for v in (1, 2, 3)]
     evil = swarm.spawn("evil", fresh=1.0, weight=1.0, faults="hostile_reducer@0=1e6", **common)

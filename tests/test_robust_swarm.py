@@ -41,7 +41,8 @@ def _round(workdir: Path, bootstrap: list[str], aggregation: str) -> list[dict]:
     swarm = Swarm(workdir, bootstrap)
     cfg = dict(run_id=f"byz{next(_runs)}", min_group_size=5, target_group_size=8, aggregation=aggregation,
                norm_outlier_factor=0.0, matchmaking_time_s=4.0, matchmaking_timeout_s=40.0,
-               next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0)  # 5-6 processes on 2 loaded cores
+               next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,  # 5-6 processes on 2 loaded cores
+               request_timeout_s=3.0)  # a follower that gives up on a busy leader costs the group its round
     common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, weight=100.0)
     peers = [swarm.spawn(f"h{i}", fresh=value, **common) for i, value in enumerate(HONEST)]
     peers.append(swarm.spawn("byz", fresh=1.0, faults="byzantine@0=-20", **common))

@@ -157,7 +157,9 @@ def test_member_reporting_an_incomplete_allreduce_makes_everyone_skip(swarm: Swa
 
 
 def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
-    cfg = _cfg(min_group_size=2, target_group_size=3, matchmaking_time_s=3.0, matchmaking_timeout_s=20.0)
+    # four processes on two cores: followers wait 2 s for a busy leader's answer
+    cfg = _cfg(min_group_size=2, target_group_size=3, matchmaking_time_s=3.0, matchmaking_timeout_s=20.0,
+               request_timeout_s=2.0)
     common = dict(role="average", shapes=SHAPES, cfg=cfg, weight=1.0)
     honest = [swarm.spawn(f"h{i}", fresh=float(i + 1), fingerprint=FINGERPRINT, **common) for i in range(2)]
     # matches under our fingerprint's prefix but announces another model in its metadata
