@@ -55,7 +55,10 @@ def test_eager_peers_differ_exactly_by_the_own_term(tmp_path: Path) -> None:
         outcomes = [r["outcome"] for r in rounds[name].values()]
         assert "resynced" not in outcomes and "skipped" not in outcomes, outcomes
         averaged = [r for r in rounds[name].values() if r["outcome"] == "averaged"]
-        assert len(averaged) >= 2, (outcomes, [r["reason"] for r in rounds[name].values()], tail(tmp_path, name))
+        # One is enough for the identity below. More are not guaranteed: when hivemind's matchmaking lets a
+        # follower give up while its leader counts it in, that background all-reduce runs to its timeouts
+        # and, with the one-round cap, the next rounds step with the own term only (seen once in 2 cores).
+        assert len(averaged) >= 1, (outcomes, [r["reason"] for r in rounds[name].values()], tail(tmp_path, name))
         assert all(r["group_size"] == 2 and r["bytes_sent"] > 0 for r in averaged)
 
     # Every stretch of rounds averaged on both peers preserves Q_a - Q_b (see the module docstring).
