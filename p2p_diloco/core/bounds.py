@@ -53,6 +53,11 @@ def norm_tolerance(codec: str, error_feedback: bool) -> float:
     return FLOAT_SLACK * CODEC_NORM_GAIN[codec] * (ERROR_FEEDBACK_SLACK if error_feedback else 1.0)
 
 
+def l2_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of several tensors taken as one vector, accumulated in float64: what a member announces."""
+    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in tensors))
+
+
 def clip_claims(claims: Sequence[float], weights: Sequence[float], factor: float) -> list[float]:
     """Claims with those above ``factor`` times the lower median (per unit of weight) clipped to that value.
 

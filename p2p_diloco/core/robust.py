@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from p2p_diloco.core.bounds import FLOAT_SLACK, clip_claims, clip_to_budget
+from p2p_diloco.core.bounds import FLOAT_SLACK, clip_claims, clip_to_budget, l2_norm
 
 logger = logging.getLogger(__name__)
 
@@ -274,12 +274,7 @@ class GroupReduction:
             for tensors, s in zip(tensors_by_sender, scales, strict=True)
         ]
         owners = assign_parts([p.numel() for p in parts[0]], [1.0] * self.members)
-        claims = clip_claims(
-            [math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in ts))
-             for ts in tensors_by_sender],
-            weights,
-            self.norm_factor,
-        )
+        claims = clip_claims([l2_norm(ts) for ts in tensors_by_sender], weights, self.norm_factor)
         spent = [[0.0] * self.members for _ in range(self.members)]  # per reducer, per sender
         for index, owner in enumerate(owners):
             for k in range(self.members):

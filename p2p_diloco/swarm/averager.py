@@ -35,7 +35,7 @@ from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
-from p2p_diloco.core.bounds import output_bound
+from p2p_diloco.core.bounds import l2_norm, output_bound
 from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
@@ -73,10 +73,6 @@ def _corrupt(tensors: Sequence[torch.Tensor], factor: object) -> None:
                 tensor.fill_(float("nan"))
             else:
                 tensor.mul_(factor)
-
-
-def _l2(tensors: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t.double())) ** 2 for t in tensors))
 
 
 def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
@@ -196,8 +192,8 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
             staleness,
             fresh is not None,
             stale is not None,
-            norm=inflate * _l2(fresh) if fresh is not None else 0.0,
-            stale_norm=inflate * _l2(stale) if stale is not None else 0.0,
+            norm=inflate * l2_norm(fresh) if fresh is not None else 0.0,
+            stale_norm=inflate * l2_norm(stale) if stale is not None else 0.0,
         )
         has_fresh, has_stale = info.has_fresh, info.has_stale
         budget = self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s + _HOST_GRACE_S
