@@ -156,6 +156,25 @@ def test_member_reporting_an_incomplete_allreduce_makes_everyone_skip(swarm: Swa
     assert swarm.result(doubter)["outcome"] == "skipped"
 
 
+def test_followers_outwait_a_leader_that_stalls_before_assembling(swarm: Swarm) -> None:
+    # Whoever leads freezes for 2.5 request timeouts when its expiration comes, as on an overloaded machine.
+    # Its followers gave up at their expiration + request_timeout_s before (the group then counted in members
+    # that had left, and every member skipped); now they wait 2 * request_timeout_s longer.
+    cfg = _cfg(min_group_size=3, target_group_size=8, request_timeout_s=1.0)
+    common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, weight=1.0,
+                  faults="stall_leader@0=2.5")
+    peers = [swarm.spawn(f"p{i}", fresh=float(i + 1), **common) for i in range(3)]
+    swarm.wait_ready()
+    results = [swarm.result(p) for p in peers]
+    stalled = [p.name for p in peers if "FAULT FIRED stall_leader@0" in p.log_tail(10**6)]
+    assert len(stalled) == 1, stalled  # one leader, and it did stall
+    for result in results:
+        assert result["outcome"] == "averaged", result["reason"]
+        assert result["group_size"] == 3
+        _assert_close(result["fresh_mean"], _weighted([(1.0, 1.0), (1.0, 2.0), (1.0, 3.0)]))
+    assert len({r["fresh_sha"] for r in results}) == 1
+
+
 def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
     # four processes on two cores: followers wait 2 s for a busy leader's answer
     cfg = _cfg(min_group_size=2, target_group_size=3, matchmaking_time_s=3.0, matchmaking_timeout_s=20.0,

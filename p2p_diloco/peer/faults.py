@@ -14,7 +14,9 @@ entries, optionally ``ACTION@EPOCH=VALUE``:
   sign-flipped attack), announcing the norm of what it sends; ``nan_input@E``: send NaN instead. Reducers
   must reject or out-vote these;
 - ``hostile_reducer@E=FACTOR``: as a reducer in epoch E, send the groupmates the first averaged part
-  multiplied by FACTOR (a hostile reducer). Members must refuse it and ban this peer.
+  multiplied by FACTOR (a hostile reducer). Members must refuse it and ban this peer;
+- ``stall_leader@E=SECONDS``: as the leader of the epoch-E group, block the averager's event loop for SECONDS
+  right before assembling the group (an overloaded machine). Its followers must still be there.
 
 Faults outside one peer (a partition, losing the bootstrap node) are driven by the tests themselves.
 
@@ -46,8 +48,9 @@ ACTIONS = (
     "byzantine",
     "nan_input",
     "hostile_reducer",
+    "stall_leader",
 )
-_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine", "hostile_reducer")
+_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine", "hostile_reducer", "stall_leader")
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,12 @@ class FaultPlan:
                 if fault:
                     self.record(action, self._epoch.value)
                     return fault.value if action == "byzantine" else math.nan
+        if stage == "assemble":
+            stall = self._find("stall_leader")
+            if stall:
+                self.record("stall_leader", self._epoch.value)
+                time.sleep(stall.value)
+            return None
         slow = self._find("slow_sender") if stage == "part_sent" else None
         if slow:
             self.record("slow_sender", self._epoch.value)

@@ -15,6 +15,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from p2p_diloco.swarm.group import decode_gather
+from p2p_diloco.swarm.patience import JoinTiming
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class AccessControlMixin:
 
     _allowed: frozenset[str] | None = None
     _banned: dict[str, str]
+    _join_timing: JoinTiming
     peer_id: PeerID
 
     def _ban(self, rejected: dict[str, str]) -> list[str]:
@@ -44,17 +46,13 @@ class AccessControlMixin:
             return f"banned: {self._banned[name]}"
         return None
 
-    async def _step(self, **kwargs: Any) -> Any:
-        self._guard_leaders()
-        return await super()._step(**kwargs)  # type: ignore[misc]
-
     def _guard_leaders(self) -> None:
         """Never ask a banned or not-allowed peer to lead our group.
 
         Without this a banned peer that declares itself a leader draws honest followers into a group they
         then refuse to average with, and they skip the round: a cheap way for a hostile peer to stall the
         swarm. hivemind's averager builds its ``Matchmaking`` inside its process's main coroutine, with no
-        hook to customise it, so this wraps that instance's join request once, before the first round.
+        hook to customise it, so this wraps that instance's join request once, from the first round's step.
         """
         matchmaking = getattr(self, "_matchmaking", None)
         if matchmaking is None or getattr(matchmaking, "_leaders_guarded", False):
@@ -103,8 +101,9 @@ class AccessControlMixin:
             logger.info("Not grouping with %s: %s", context.remote_id, mismatch)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
-        async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
-            yield response
+        with self._join_timing.leader_view(request) as view:
+            async for response in super().rpc_join_group(view, context):  # type: ignore[misc]
+                yield response
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext

@@ -46,6 +46,7 @@ from p2p_diloco.swarm.group import (
     encode_gather,
     plan_group,
 )
+from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.result import RoundResult
 from p2p_diloco.swarm.runner import (
     STATUS_SUFFIX,
@@ -73,6 +74,20 @@ def _corrupt(tensors: Sequence[torch.Tensor], factor: object) -> None:
                 tensor.fill_(float("nan"))
             else:
                 tensor.mul_(factor)
+
+
+def _hook_assembly(matchmaking: Any, hook: FaultHook) -> None:
+    """Call ``hook("assemble")`` each time this peer, as a leader, is about to form its group."""
+    if getattr(matchmaking, "_assembly_hooked", False):
+        return
+    assemble = matchmaking.leader_assemble_group
+
+    async def hooked() -> GroupInfo:
+        hook("assemble")
+        return await assemble()
+
+    matchmaking.leader_assemble_group = hooked
+    matchmaking._assembly_hooked = True
 
 
 def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
@@ -121,6 +136,7 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
         self._tolerance = wire_norm_tolerance(compression if compression is not None else NoCompression())
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
+        self._join_timing = JoinTiming(cfg.request_timeout_s)
         super().__init__(
             buffers,
             dht,
@@ -166,7 +182,8 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
         stale_weight: float = 0.0,
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
-        ``matchmaking_timeout_s + allreduce_timeout_s`` (plus a few seconds).
+        ``matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s`` (plus a few seconds; the
+        ``2 * request_timeout_s`` is how long a follower keeps waiting for its leader, see ``patience``).
 
         :param fresh: this round's pseudo-gradients (theta_start - theta_local), or ``None`` if this peer has
           none (it still receives the group's aggregates).
@@ -196,7 +213,8 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
             stale_norm=inflate * l2_norm(stale) if stale is not None else 0.0,
         )
         has_fresh, has_stale = info.has_fresh, info.has_stale
-        budget = self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s + _HOST_GRACE_S
+        budget = (self.cfg.matchmaking_timeout_s + self._join_timing.patience + self.cfg.allreduce_timeout_s
+                  + _HOST_GRACE_S)
         if not self.is_alive():
             return RoundResult("skipped", "the averager process is not running", epoch)
         with self._locked_buffers(budget) as buffers:
@@ -254,7 +272,7 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
         now = get_dht_time()
         control = StepControl(
             scheduled_time=now + self.cfg.matchmaking_time_s,
-            deadline=now + self.cfg.matchmaking_timeout_s,
+            deadline=self._join_timing.deadline(self.cfg.matchmaking_timeout_s),
             allow_retries=False,
             weight=1.0,
             data_for_gather=data_for_gather,
@@ -311,6 +329,10 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
         scaled, and the caller prefers a prompt "skipped" to a late round anyway.
         """
         began = time.monotonic()
+        self._guard_leaders()
+        self._join_timing.install(self._matchmaking)
+        if self._fault_hook is not None:
+            _hook_assembly(self._matchmaking, self._fault_hook)
         try:
             trigger, cancel = MPFuture(), MPFuture()
             step.attach(trigger, cancel)

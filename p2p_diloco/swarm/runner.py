@@ -42,7 +42,8 @@ multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzant
 the host, without firing: the same factor, applied to the announced norms), "corrupt_output" (returning a
 number multiplies the averaged parts this member sends as a reducer: a hostile reducer), "part_sent"
 (after the first part went to a remote reducer) and "confirm" (returning ``False`` there makes this member
-report an incomplete all-reduce). Tests use it to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
+report an incomplete all-reduce), and "assemble" (a leader, right before it forms its group). Tests use it
+to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
 STATUS_SUFFIX = b".done"
 """Group id suffix of the completion check that follows each all-reduce."""
 RECEIVED_ALL = averaging_pb2.AVERAGED_PART
