@@ -164,12 +164,16 @@ class SwarmConfig:
     spread of peers' arrival times plus a few DHT round trips: 15 s on home links, 2 s on loopback."""
 
     matchmaking_timeout_s: float = 60.0
-    """Total time to find a group before the round is skipped, 1-3600 s. Must exceed ``matchmaking_time_s``
-    (leaders wait that long at least); about 3-4x it lets a peer retry with another leader."""
+    """Total time to look for a group before the round is skipped, 1-3600 s. Must exceed ``matchmaking_time_s``
+    (leaders wait that long at least); about 3-4x it lets a peer retry with another leader. The search
+    ends here, and the wait for the round to begin lasts ``2 * request_timeout_s`` longer, so that a leader
+    that formed its group at the last moment still finds its followers (``swarm.patience``)."""
 
     request_timeout_s: float = 5.0
     """How long to wait for a potential leader's answer during matchmaking, 0.1-600 s. Must be below
-    ``matchmaking_time_s`` (hivemind breaks matchmaking deadlocks with it). About 10x the round-trip time."""
+    ``matchmaking_time_s`` (hivemind breaks matchmaking deadlocks with it). About 10x the round-trip time.
+    Followers wait ``2 *`` this beyond hivemind's own limit for their leader to begin the round, which covers a
+    leader busy with its own join request plus an event-loop stall as long again."""
 
     allreduce_timeout_s: float = 600.0
     """Deadline for the all-reduce once the group is formed, 1-86400 s. Set it to about 2x the expected time
