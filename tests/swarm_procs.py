@@ -25,8 +25,9 @@ FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "-
 
 # Round outcomes after which a peer holds the swarm's parameters for the round's new epoch.
 SYNCED = ("averaged", "folded_late", "resynced")
-# The longest a FAST round may take: matchmaking_timeout_s + allreduce_timeout_s + the averager's grace.
-ROUND_BUDGET_S = 15 + 30 + 10
+# The longest a FAST round may take: matchmaking_timeout_s + the followers' patience (2 * request_timeout_s)
+# + allreduce_timeout_s + the averager's grace.
+ROUND_BUDGET_S = 15 + 2 * 2 + 30 + 10
 
 
 def check_rounds(rounds: dict[str, list[dict]]) -> None:
