@@ -10,11 +10,13 @@ import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from swarm_helpers.harness import SHARED_MEMORY_KEEPALIVE
 
 from p2p_diloco.swarm import SwarmConfig, global_epoch, layout_fingerprint, params_sha256
 from p2p_diloco.swarm.group import MemberInfo, decode_gather, encode_gather, plan_group
+from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.records import PeerProgress
 
 assert SHARED_MEMORY_KEEPALIVE.is_shared()
@@ -261,3 +263,22 @@ def test_member_info_for_round_validates_and_marks_absent_work() -> None:
         args = dict(weight=1.0, stale_weight=0.0, staleness=0, epoch=0, norm=1.0, stale_norm=0.0) | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             MemberInfo.for_round("run", "abcdef0123456789", carries_fresh=True, carries_stale=False, **args)
+
+
+# ------------------------------------------------------------------ matchmaking patience
+
+
+def test_leaders_see_the_followers_own_expiration_and_turn_away_requests_they_answer_too_late() -> None:
+    timing = JoinTiming(request_timeout=1.0)
+    assert timing.patience == 2.0
+    request = averaging_pb2.JoinRequest(expiration=100.0, gather=b"meta", schema_hash=b"s")
+    seen: list[float] = []
+    check = timing._in_time(lambda req, ctx: seen.append(req.expiration))
+    with timing.leader_view(request) as view:
+        # the follower added its patience; the admission check gets the expiration it declared
+        assert (view.expiration, view.gather, request.expiration) == (98.0, b"meta", 100.0)
+        assert check(view, None) is None and seen == [98.0]
+        timing._arrivals[id(view)] -= 0.8  # as if it had waited 0.8 s for the leader's lock
+        late = check(view, None)
+        assert late.code == averaging_pb2.BAD_EXPIRATION_TIME and seen == [98.0]
+    assert not timing._arrivals
