@@ -17,7 +17,7 @@ from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usag
 from p2p_diloco.config import _RUN_ID
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
-from p2p_diloco.swarm.records import install_validators
+from p2p_diloco.swarm.records import run_validator
 
 logger = logging.getLogger(__name__)
 PROG = "run_bootstrap"
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         usage_error(PROG, str(e))
     try:
-        dht = start_dht(swarm)
+        dht = start_dht(swarm, record_validators=[run_validator(run_id) for run_id in cfg.monitor_run_ids])
     except SwarmStartError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
@@ -95,8 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        for run_id in cfg.monitor_run_ids:
-            install_validators(dht, run_id)
         addrs = [a for a in visible_maddrs(dht) if "/p2p-circuit" not in a]
         print(f"bootstrap node {dht.peer_id} is up. Volunteers join with:", flush=True)
         print(f"  run_peer --initial-peers {' '.join(addrs)}", flush=True)

@@ -72,11 +72,11 @@ from p2p_diloco.swarm import (
     SwarmStartError,
     download_state,
     fetch_progress,
-    install_validators,
     majority_checksum,
     params_sha256,
     publish_checksum,
     publish_progress,
+    run_validator,
     start_dht,
     visible_maddrs,
 )
@@ -145,8 +145,7 @@ class SwarmSession:
 
     def start(self, resume_tensors: dict[str, torch.Tensor] | None = None, resume_epoch: int = 0) -> str:
         """Start the DHT and averager, then bring the state up to the swarm's. Returns how it started."""
-        self.dht = start_dht(self.cfg.swarm)
-        install_validators(self.dht, self.cfg.swarm.run_id)
+        self.dht = start_dht(self.cfg.swarm, record_validators=[run_validator(self.cfg.swarm.run_id)])
         self.averager = RoundAverager(
             self.state.anchors, self.dht, self.cfg.swarm, fingerprint=self.fingerprint,
             compression=wire_compression(self.cfg.outer.compression, self.cfg.outer.error_feedback),

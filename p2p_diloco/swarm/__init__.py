@@ -14,6 +14,7 @@ from p2p_diloco.swarm.records import (
     majority_checksum,
     publish_checksum,
     publish_progress,
+    run_validator,
 )
 from p2p_diloco.swarm.result import RoundResult
 from p2p_diloco.swarm.state import StateServer, SwarmState, download_state
@@ -32,6 +33,7 @@ __all__ = [
     "fetch_progress",
     "global_epoch",
     "install_validators",
+    "run_validator",
     "layout_fingerprint",
     "majority_checksum",
     "params_sha256",

@@ -99,11 +99,20 @@ def checksum_key(run_id: str, epoch: int) -> str:
     return f"{run_id}_checksum_e{int(epoch)}"
 
 
-def install_validators(dht: hivemind.DHT, run_id: str) -> None:
-    """Make ``dht`` drop unsigned and malformed progress records of ``run_id`` on receipt (stores and lookups
-    alike), on top of the signature checks every node started by ``dht.start_dht`` makes; call once per run."""
+def run_validator(run_id: str) -> RecordGuard:
+    """The validator that drops unsigned and malformed progress records of ``run_id`` on receipt (stores and
+    lookups alike), on top of the signature checks every node started by ``dht.start_dht`` makes.
+
+    Pass it to ``start_dht(cfg, record_validators=...)``: a node is reachable as soon as it starts, and one
+    that gets its validators only afterwards stores whatever a vandal sends it in between.
+    """
     schema = SchemaValidator(ProgressSchema, prefix=run_id)
-    dht.add_validators([RecordGuard(schemas=[schema], signed_keys=[progress_key(run_id)])])
+    return RecordGuard(schemas=[schema], signed_keys=[progress_key(run_id)])
+
+
+def install_validators(dht: hivemind.DHT, run_id: str) -> None:
+    """Add ``run_validator(run_id)`` to a running ``dht`` (records it received before are not checked)."""
+    dht.add_validators([run_validator(run_id)])
 
 
 def _finite(*values: float) -> bool:

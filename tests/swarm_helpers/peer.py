@@ -29,7 +29,7 @@ from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.checksum import params_sha256
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
-from p2p_diloco.swarm.records import install_validators, publish_checksum, publish_progress
+from p2p_diloco.swarm.records import publish_checksum, publish_progress, run_validator
 from p2p_diloco.swarm.state import StateServer, download_state, make_state_metadata
 
 MAX_WAIT_S = 60.0
@@ -161,8 +161,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(sys.argv[1]).read_text())
     cfg = SwarmConfig.for_loopback(initial_peers=spec.get("initial_peers", []), **spec.get("cfg", {}))
-    dht = start_dht(cfg)
-    install_validators(dht, cfg.run_id)
+    dht = start_dht(cfg, record_validators=[run_validator(cfg.run_id)])
     hook = FAULT_HOOKS.get(spec.get("fault", ""))
     if spec.get("faults"):  # run_peer's fault syntax, e.g. "byzantine@0=-20" (p2p_diloco.peer.faults)
         plan = FaultPlan(parse_faults(spec["faults"]), lambda action, epoch: print(f"FAULT FIRED {action}@{epoch}", flush=True))
