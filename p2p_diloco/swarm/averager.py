@@ -8,10 +8,10 @@ confirms is the round "averaged"; any failure anywhere makes it "skipped" for ev
 partial average is never returned as the full one.
 
 ``RoundAverager`` subclasses hivemind's ``DecentralizedAverager`` rather than wrapping it because the pieces it
-changes are hooks of that class that run inside its background process: the per-round step (``_step``), the
-group registration (``_register_allreduce_group``) and the aggregation of a formed group
-(``_aggregate_with_group``); matchmaking, the RPC servicer and shutdown are inherited unchanged, and state
-serving comes from ``state.StateSharingMixin``.
+changes are hooks of that class that run inside its background process: the per-round step (``_step``) and
+the aggregation of a formed group (``_aggregate_with_group``). The group registry and shutdown come from
+``registry.GroupRegistryMixin``, matchmaking timing from ``patience``, access checks from
+``access.AccessControlMixin`` and state serving from ``state.StateSharingMixin``; the rest is hivemind's.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from p2p_diloco.swarm.group import (
     plan_group,
 )
 from p2p_diloco.swarm.patience import JoinTiming
+from p2p_diloco.swarm.registry import GroupRegistryMixin
 from p2p_diloco.swarm.result import RoundResult
 from p2p_diloco.swarm.runner import (
-    STATUS_SUFFIX,
     ByteCounter,
     CountingAllReduceRunner,
     FaultHook,
@@ -94,7 +94,7 @@ def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
     return dict(outcome=outcome, reason=reason, **values)
 
 
-class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager):
+class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, DecentralizedAverager):
     """Averages pseudo-gradients shaped like ``template`` with the peers of one run and model.
 
     :param template: tensors with the shapes and floating dtypes of the pseudo-gradients (values unused).
@@ -376,23 +376,6 @@ class RoundAverager(AccessControlMixin, StateSharingMixin, DecentralizedAverager
             self._pending_groups_registered.set()
             if not step.done():
                 step.set_result(_report("skipped", "round interrupted"))
-
-    @contextlib.contextmanager
-    def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
-        """Register the round's all-reduce and its completion check before either starts, so a fast
-        groupmate's first message never finds us unprepared; release waiters of whatever did not run."""
-        group_ids = (group_info.group_id, group_info.group_id + STATUS_SUFFIX)
-        try:
-            for group_id in group_ids:
-                self._running_groups[group_id] = asyncio.Future()
-            self._pending_groups_registered.set()
-            yield
-        finally:
-            for group_id in group_ids:
-                future = self._running_groups.pop(group_id, None)
-                if future is not None and not future.done():
-                    future.cancel()
-            self._pending_groups_registered.set()
 
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any

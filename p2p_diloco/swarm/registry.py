@@ -1,0 +1,53 @@
+"""Where the averager process finds the all-reduce of a group: ``_running_groups``, group id -> future runner.
+
+hivemind registers a runner once it exists. Here each round registers futures for its all-reduce and its
+completion check before either starts, and sets them when the runners are built, so a fast groupmate's first
+message waits for the runner instead of being turned away. hivemind's shutdown expects runners in this
+registry; ``_shutdown`` hands it an empty one after finalizing ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from hivemind.averaging.group_info import GroupInfo
+
+from p2p_diloco.swarm.runner import STATUS_SUFFIX
+
+
+class GroupRegistryMixin:
+    """Mixed into ``RoundAverager`` ahead of hivemind's ``DecentralizedAverager``."""
+
+    _running_groups: dict[bytes, Any]
+    _pending_groups_registered: asyncio.Event
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind's shutdown, given the runners it expects: our registry holds futures of runners (see
+        ``_register_allreduce_group``), and hivemind's loop over it would fail at the first one."""
+        groups, self._running_groups = self._running_groups, {}
+        for future in groups.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)
+            else:
+                future.cancel()
+        await super()._shutdown(timeout)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
+        """Register the round's all-reduce and its completion check before either starts, so a fast
+        groupmate's first message never finds us unprepared; release waiters of whatever did not run."""
+        group_ids = (group_info.group_id, group_info.group_id + STATUS_SUFFIX)
+        try:
+            for group_id in group_ids:
+                self._running_groups[group_id] = asyncio.Future()
+            self._pending_groups_registered.set()
+            yield
+        finally:
+            for group_id in group_ids:
+                future = self._running_groups.pop(group_id, None)
+                if future is not None and not future.done():
+                    future.cancel()
+            self._pending_groups_registered.set()
