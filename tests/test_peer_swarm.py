@@ -118,7 +118,10 @@ def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
     # The survivors kept training together with identical parameters.
     for epoch, shas in _sha_by_epoch(tmp_path, ["a", "b", "c"]).items():
         assert len(shas) == 1, f"epoch {epoch}: {len(shas)} different parameter checksums"
-    assert max(r["new_epoch"] for r in events(tmp_path, "a", "round")) >= 4
+    # The swarm went on past the kill. Not necessarily every survivor: members see a failed all-reduce end at
+    # different times (one gives up on a silent reducer after 2 * next_chunk_timeout_s, another only at
+    # allreduce_timeout_s), and a survivor back after the others ran out of --max-rounds finds no donor left.
+    assert max(r["new_epoch"] for n in "ac" for r in events(tmp_path, n, "round")) >= 4
 
     # b restarted from its newest checkpoint (written after its last completed round), then caught up.
     last_epoch_before_kill = max(r["new_epoch"] for r in before)
