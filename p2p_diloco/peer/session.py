@@ -402,7 +402,9 @@ class SwarmSession:
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours", min_epoch)
             return False
         tensors = {f"param.{i}": t for i, t in enumerate(state.params)}
-        tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
+        if self.state.outer.momentum > 0:
+            # Donors always serve a momentum (zeros when they have none); without momentum there is none to load.
+            tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
         self.state.load_state_tensors(tensors, state.epoch)
         self.state.eager.reset()
         if self.overlap is not None:
