@@ -176,7 +176,7 @@ def start_dht(cfg: SwarmConfig, record_validators: Iterable[RecordValidatorBase]
     """Start a DHT node for ``cfg`` and return it once it has reached at least one initial peer.
 
     The node runs a ``signing.RecordGuard`` from its first moment: it signs this node's records with its
-    identity key and drops unsigned, forged, oversized or (with ``records.install_validators``) malformed
+    identity key and drops unsigned, forged, oversized or (with ``records.run_validator``) malformed
     records on receipt. Raises ``SwarmStartError`` for an unparsable address, initial peers that do not
     answer within ``cfg.startup_timeout_s`` (hivemind's ``ensure_bootstrap_success``), an occupied port, a
     daemon that does not start, or an identity key that other users can read or that is not RSA. Call

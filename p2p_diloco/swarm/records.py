@@ -11,7 +11,7 @@ record with its libp2p identity key (``signing``), so a record names the one pee
 
 Anyone can write anything into a DHT, so every record is checked twice. On receipt, every node's
 ``signing.RecordGuard`` drops unsigned, wrongly signed, forged, oversized and (for progress, with hivemind's
-``SchemaValidator`` installed by ``install_validators``) malformed records. On reading, the explicit checks
+``SchemaValidator`` of ``run_validator``, passed to ``start_dht``) malformed records. On reading, the explicit checks
 below drop what still slips through (records relayed by nodes without the guard, checksum records, whose
 per-epoch keys no schema can name, non-finite numbers, expired entries). Every drop is logged and counted in
 the DHT's ``signing.RecordAudit``; a record that was correctly signed gets its signer banned for the run,
