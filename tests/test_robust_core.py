@@ -201,3 +201,29 @@ def test_simulator_defaults_are_the_swarms() -> None:
     assert SimConfig.part_size_bytes == fields["part_size_bytes"].default
     assert SimConfig.norm_outlier_factor == fields["norm_outlier_factor"].default
     assert SimConfig.aggregation == fields["aggregation"].default
+
+
+@pytest.mark.parametrize("robust", [False, True], ids=["hivemind", "robust"])
+def test_a_sender_cancelled_mid_part_does_not_stall_the_others(robust: bool) -> None:
+    # A sender's handler task is cancelled when its stream dies while it waits for the part it sent. Unshielded,
+    # that cancelled the part's shared future and the reducer never finished the part for anyone.
+    from hivemind.averaging.partition import TensorPartReducer
+
+    from p2p_diloco.swarm.runner import accumulate
+
+    async def run() -> list[torch.Tensor]:
+        shapes = [torch.Size([4]), torch.Size([4])]
+        if robust:
+            reducer = RobustPartReducer(shapes, torch.float32, ["a", "b", "c"], [1.0, 1.0, 1.0],
+                                        method="mean", norm_factor=0.0)
+        else:
+            reducer = TensorPartReducer(shapes, 3)
+        dying = asyncio.create_task(accumulate(reducer, 0, 0, torch.full((4,), 3.0), 1.0))
+        waiting = asyncio.create_task(accumulate(reducer, 1, 0, torch.full((4,), 6.0), 1.0))
+        await asyncio.sleep(0)  # both are now inside the reducer, waiting for the third sender
+        dying.cancel()
+        last = await asyncio.wait_for(accumulate(reducer, 2, 0, torch.full((4,), 9.0), 1.0), 5)
+        return [last, await asyncio.wait_for(waiting, 5)]
+
+    for part in asyncio.run(run()):
+        assert torch.allclose(part, torch.full((4,), 6.0))  # the dying sender's part had arrived: it counts

@@ -278,7 +278,7 @@ def test_leaders_see_the_followers_own_expiration_and_turn_away_requests_they_an
         # the follower added its patience; the admission check gets the expiration it declared
         assert (view.expiration, view.gather, request.expiration) == (98.0, b"meta", 100.0)
         assert check(view, None) is None and seen == [98.0]
-        timing._arrivals[id(view)] -= 0.8  # as if it had waited 0.8 s for the leader's lock
+        timing._arrivals[id(view)] -= 0.6  # as if it had waited 0.6 s for the leader's lock
         late = check(view, None)
         assert late.code == averaging_pb2.BAD_EXPIRATION_TIME and seen == [98.0]
     assert not timing._arrivals

@@ -21,8 +21,8 @@ the hivemind objects of one averager process:
   ``patience`` before its followers stop waiting.
 - Declarations stop at the end of the search. Left alone, hivemind would re-declare an already expired
   entry in a tight loop for as long as the step still waits.
-- A leader turns away a join request that waited for its lock longer than the follower waits for an answer.
-  That follower has left, and accepting it would count in a member that is gone.
+- A leader turns away a join request that waited for its lock longer than half the follower's wait for an
+  answer. That follower may have left, and accepting it would count in a member that is gone.
 """
 
 from __future__ import annotations
@@ -44,9 +44,12 @@ PATIENCE_PER_REQUEST_TIMEOUT = 2.0
 """``patience = 2 * request_timeout_s``: one lock hold by the leader's own join request, plus as long again
 for a stalled event loop on either side."""
 
-ANSWER_FRACTION = 0.75
-"""A leader that took this fraction of ``request_timeout_s`` to get to a join request turns it away: the
-follower's own wait started before the request arrived, so it has most likely left already."""
+ANSWER_FRACTION = 0.5
+"""A leader that took this fraction of ``request_timeout_s`` to get to a join request turns it away. The
+follower waits ``request_timeout_s`` for the answer, counted from before the request reached the leader's
+handler; the other half covers that delay (the p2p daemon, a busy event loop). Lower values turn more
+followers away from a leader that is itself busy asking another one, higher ones risk answering a follower
+that has left."""
 
 
 class JoinTiming:

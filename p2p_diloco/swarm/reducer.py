@@ -30,7 +30,7 @@ import torch
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 
 from p2p_diloco.core.bounds import clip_to_budget
-from p2p_diloco.core.robust import reduce_part
+from p2p_diloco.core.robust import PartResult, reduce_part
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +131,17 @@ class RobustPartReducer(TensorPartReducer):
             raise BannedException(f"sender {sender_index} sent part {part_index} twice")
         future = self.current_part_future
         if sender_index not in self.rejections:
-            problem = check_part(tensor_part, self.part_shapes[part_index], self.part_dtype)
+            # Whatever happens here, the part must be counted below: a part left uncounted would hold up the
+            # reduction of this part (and the whole all-reduce) for every sender until allreduce_timeout_s.
+            try:
+                problem = check_part(tensor_part, self.part_shapes[part_index], self.part_dtype)
+                if problem is None:
+                    self._received[sender_index] = self._within_limit(sender_index, part_index, tensor_part)
+            except Exception as e:
+                logger.exception("Could not check part %d of sender %d", part_index, sender_index)
+                problem = f"part could not be checked: {e!r}"
             if problem is not None:
                 self.rejections[sender_index] = problem
-            else:
-                self._received[sender_index] = self._within_limit(sender_index, part_index, tensor_part)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
         return await future
@@ -157,8 +163,12 @@ class RobustPartReducer(TensorPartReducer):
             return
         accepted = {i: t for i, t in self._received.items() if i not in self.rejections}
         # The same function the simulator reduces with (core.robust.GroupReduction), so its losses are ours.
-        result = reduce_part(accepted, self.sender_weights, method=self.method, norm_factor=self.norm_factor,
-                             claimed_weights=self.claimed_weights)
+        try:
+            result = reduce_part(accepted, self.sender_weights, method=self.method, norm_factor=self.norm_factor,
+                                 claimed_weights=self.claimed_weights)
+        except Exception as e:  # the part must still complete (as a fault, which makes the round skip)
+            logger.exception("Could not reduce part %d", self.current_part_index)
+            result = PartResult(None, (), f"reduction failed: {e!r}")
         for index in result.outliers:
             self.rejections[index] = f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
         if result.fault is not None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -86,6 +86,22 @@ async def _count_received(
     finally:
         if received_all is not None:
             received_all.set()
+
+
+async def accumulate(
+    reducer: TensorPartReducer, sender_index: int, part_index: int, part: torch.Tensor, weight: float
+) -> torch.Tensor:
+    """``reducer.accumulate_part``, shielded from the cancellation of the sender's task.
+
+    Why: every sender of a part awaits the same future of the reducer, and a task cancelled while awaiting a
+    future cancels that future too. A sender whose stream dies mid-part (its peer was killed, the connection
+    reset) has its handler task cancelled; unshielded, that cancels the part's future, the next arrival's
+    ``set_result`` fails, and the reducer waits on that part for every other sender until
+    ``allreduce_timeout_s``. hivemind's own reducer has the same flaw, so both go through here.
+    """
+    task = asyncio.ensure_future(reducer.accumulate_part(sender_index, part_index, part, weight=weight))
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody may be left to ask
+    return await asyncio.shield(task)
 
 
 async def _until_received_all(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -185,8 +201,8 @@ class CountingAllReduceRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
+            averaged_part = await accumulate(
+                self.tensor_part_reducer, sender_index, part_index, tensor_part, self.weight
             )
             serialized = await self._serialized_average(part_index, averaged_part)
             self.tensor_part_container.register_processed_part(
@@ -205,8 +221,8 @@ class CountingAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
-                    averaged_part = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight
+                    averaged_part = await accumulate(
+                        self.tensor_part_reducer, sender_index, part_index, tensor_part, weight
                     )
                 except BannedException:
                     break
@@ -276,6 +292,29 @@ class CountingAllReduceRunner(AllReduceRunner):
             reasons.append(f"all-reduce failed: {future.exception()!r}")
         return reasons
 
+
+    def progress(self) -> str:
+        """Where this runner stands, for the log of a round that ran out of time: which part our reducer
+        waits for and who sent what, and how many averaged parts came back from each reducer."""
+        reducer, container = self.tensor_part_reducer, self.tensor_part_container
+        senders = ", ".join(
+            f"{peer.to_base58()[-8:]}:{received}" + ("" if failed == float("inf") else f"(banned@{failed})")
+            for peer, received, failed in zip(
+                self.sender_peer_ids, reducer.num_parts_received, reducer.sender_failed_after, strict=True
+            )
+        )
+        outputs = ", ".join(
+            f"{peer.to_base58()[-8:]}:{done}/{expected}"
+            for peer, done, expected in zip(
+                self.ordered_peer_ids, container._outputs_registered_by_peer, container.num_parts_by_peer,
+                strict=True,
+            )
+        )
+        return (
+            f"runner {self.group_id.hex()[-12:]}: reducer at part {reducer.current_part_index}/{reducer.num_parts}"
+            f" with {reducer.current_part_accumulated_from}/{reducer.num_current_senders} senders in"
+            f" (parts received per sender {senders}); averages back per reducer {outputs}"
+        )
 
     def rejected(self) -> dict[str, str]:
         """``{peer id: reason}`` for senders whose data this peer's reducer dropped (see ``reducer``) and
