@@ -173,7 +173,8 @@ class SwarmConfig:
     """How long to wait for a potential leader's answer during matchmaking, 0.1-600 s. Must be below
     ``matchmaking_time_s`` (hivemind breaks matchmaking deadlocks with it). About 10x the round-trip time.
     Followers wait ``2 *`` this beyond hivemind's own limit for their leader to begin the round, which covers a
-    leader busy with its own join request plus an event-loop stall as long again."""
+    leader busy with its own join request plus an event-loop stall as long again. A leader turns away a join
+    request it could not answer within half of this, since the follower may have stopped waiting."""
 
     allreduce_timeout_s: float = 600.0
     """Deadline for the all-reduce once the group is formed, 1-86400 s. Set it to about 2x the expected time
