@@ -185,8 +185,11 @@ def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
     liar = swarm.spawn(
         "liar", fresh=50.0, fingerprint=FINGERPRINT, claim_fingerprint="0123456789abcdef", **common
     )
-    # another model altogether: a different matchmaking prefix, it never meets the others
-    other = swarm.spawn("other", fresh=70.0, fingerprint="fedcba9876543210", **common)
+    # another model altogether: a different matchmaking prefix, it never meets the others (and, with nobody
+    # to meet, need not search for as long)
+    other_cfg = dict(cfg, matchmaking_timeout_s=8.0)
+    other = swarm.spawn("other", fresh=70.0, fingerprint="fedcba9876543210",
+                        **dict(common, cfg=other_cfg))
     swarm.wait_ready()
     liar_id = liar.info["peer_id"]
     for peer in honest:
