@@ -358,14 +358,13 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                 step.stage = AveragingStage.RUNNING_ALLREDUCE
                 # filled as the round goes, so that a round cut off by the timeout still names its group
                 summary: dict[str, Any] = {}
-                runners: list[CountingAllReduceRunner] = []
                 try:
                     report = await asyncio.wait_for(
-                        self._aggregate_with_group(group_info, summary, runners, **self.allreduce_kwargs),
+                        self._aggregate_with_group(group_info, summary, **self.allreduce_kwargs),
                         self._allreduce_timeout,
                     )
                 except asyncio.TimeoutError:
-                    stuck = "; ".join(runner.progress() for runner in runners)
+                    stuck = "; ".join(runner.progress() for runner in self._runners_of(group_info))
                     logger.warning("All-reduce of round %s timed out: %s", group_info.group_id.hex()[:8], stuck)
                     report = _report("skipped", "all-reduce did not finish within allreduce_timeout_s", **summary)
             report["wait_seconds"] = waited
@@ -383,14 +382,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                 step.set_result(_report("skipped", "round interrupted"))
 
     async def _aggregate_with_group(
-        self,
-        group_info: GroupInfo,
-        summary: dict[str, Any],
-        runners: list[CountingAllReduceRunner],
-        min_vector_size: int,
-        **kwargs: Any,
+        self, group_info: GroupInfo, summary: dict[str, Any], min_vector_size: int, **kwargs: Any
     ) -> dict[str, Any]:
-        """The round in a formed group; ``summary`` and ``runners`` are filled for the caller's timeout report."""
+        """The round in a formed group; ``summary`` is filled as it goes, for the caller's timeout report."""
         began = time.monotonic()
         plan = plan_group(
             group_info.peer_ids,
@@ -437,7 +431,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             if self._fault_hook is not None:
                 self._fault_hook("allreduce_begin")
                 _corrupt(tensors, self._fault_hook("corrupt_input"))
-            make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs, runners)
+            make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
             tolerance = self._tolerance
             limits = None if tolerance is None else plan.sender_limits(self.cfg.norm_outlier_factor, tolerance)
             robust = dict(
@@ -475,13 +469,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         return _report("averaged", "", **summary)
 
     def _runner_factory(
-        self,
-        plan: GroupPlan,
-        fractions: Sequence[float],
-        group_id: bytes,
-        counter: ByteCounter,
-        kwargs: dict,
-        runners: list[CountingAllReduceRunner],
+        self, plan: GroupPlan, fractions: Sequence[float], group_id: bytes, counter: ByteCounter, kwargs: dict
     ) -> RunnerFactory:
         def make(tensors: Sequence[torch.Tensor], suffix: bytes, **overrides: Any) -> CountingAllReduceRunner:
             options: dict[str, Any] = dict(
@@ -501,7 +489,6 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             )
             options.update(overrides)
             runner = CountingAllReduceRunner(**options)
-            runners.append(runner)
             self._running_groups[group_id + suffix].set_result(runner)
             return runner
 

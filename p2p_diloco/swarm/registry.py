@@ -35,6 +35,11 @@ class GroupRegistryMixin:
                 future.cancel()
         await super()._shutdown(timeout)  # type: ignore[misc]
 
+    def _runners_of(self, group_info: GroupInfo) -> list[Any]:
+        """The runners built so far for this round's group (for the log of a round that ran out of time)."""
+        futures = (self._running_groups.get(group_info.group_id + suffix) for suffix in (b"", STATUS_SUFFIX))
+        return [f.result() for f in futures if f is not None and f.done() and not f.cancelled() and not f.exception()]
+
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
         """Register the round's all-reduce and its completion check before either starts, so a fast
