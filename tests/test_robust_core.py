@@ -220,10 +220,37 @@ def test_a_sender_cancelled_mid_part_does_not_stall_the_others(robust: bool) -> 
             reducer = TensorPartReducer(shapes, 3)
         dying = asyncio.create_task(accumulate(reducer, 0, 0, torch.full((4,), 3.0), 1.0))
         waiting = asyncio.create_task(accumulate(reducer, 1, 0, torch.full((4,), 6.0), 1.0))
-        await asyncio.sleep(0)  # both are now inside the reducer, waiting for the third sender
+        for _ in range(10):  # a few turns of the loop, until both parts are in and their senders wait there
+            if reducer.current_part_accumulated_from == 2:
+                break
+            await asyncio.sleep(0)
+        assert reducer.current_part_accumulated_from == 2 and reducer.current_part_index == 0
         dying.cancel()
         last = await asyncio.wait_for(accumulate(reducer, 2, 0, torch.full((4,), 9.0), 1.0), 5)
         return [last, await asyncio.wait_for(waiting, 5)]
 
     for part in asyncio.run(run()):
         assert torch.allclose(part, torch.full((4,), 6.0))  # the dying sender's part had arrived: it counts
+
+
+def test_a_part_our_check_cannot_judge_is_a_fault_not_a_stall_or_a_ban() -> None:
+    async def run() -> tuple[list[torch.Tensor], RobustPartReducer]:
+        reducer = RobustPartReducer([torch.Size([4])], torch.float32, ["a", "b"], [1.0, 1.0],
+                                    method="mean", norm_factor=0.0)
+
+        def broken(sender: int, part_index: int, part: torch.Tensor) -> torch.Tensor:
+            if sender == 1:
+                raise RuntimeError("bug in our check")
+            return part
+
+        reducer._within_limit = broken  # type: ignore[method-assign]
+        parts = [torch.full((4,), 2.0), torch.full((4,), 4.0)]
+        done = await asyncio.wait_for(
+            asyncio.gather(*(reducer.accumulate_part(i, 0, part) for i, part in enumerate(parts))), 5
+        )
+        return done, reducer
+
+    results, reducer = asyncio.run(run())
+    assert all(torch.equal(r, results[0]) for r in results)  # both senders got the part back
+    assert reducer.rejected() == {}  # the sender did nothing wrong: nobody is banned
+    assert len(reducer.reduce_faults) == 1 and "bug in our check" in reducer.reduce_faults[0]

@@ -133,15 +133,16 @@ class RobustPartReducer(TensorPartReducer):
         if sender_index not in self.rejections:
             # Whatever happens here, the part must be counted below: a part left uncounted would hold up the
             # reduction of this part (and the whole all-reduce) for every sender until allreduce_timeout_s.
+            # A failure of our own check is a fault (the round is skipped), not the sender's: no ban.
             try:
                 problem = check_part(tensor_part, self.part_shapes[part_index], self.part_dtype)
                 if problem is None:
                     self._received[sender_index] = self._within_limit(sender_index, part_index, tensor_part)
+                else:
+                    self.rejections[sender_index] = problem
             except Exception as e:
                 logger.exception("Could not check part %d of sender %d", part_index, sender_index)
-                problem = f"part could not be checked: {e!r}"
-            if problem is not None:
-                self.rejections[sender_index] = problem
+                self.reduce_faults.append(f"part {part_index} of sender {sender_index} could not be checked: {e!r}")
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
         return await future

@@ -292,7 +292,6 @@ class CountingAllReduceRunner(AllReduceRunner):
             reasons.append(f"all-reduce failed: {future.exception()!r}")
         return reasons
 
-
     def progress(self) -> str:
         """Where this runner stands, for the log of a round that ran out of time: which part our reducer
         waits for and who sent what, and how many averaged parts came back from each reducer."""
