@@ -137,6 +137,8 @@ def test_peer_killed_mid_allreduce_makes_survivors_skip(swarm: Swarm) -> None:
         assert result["outcome"] == "skipped"
         assert result["group_size"] == 3  # the victim was in the group: the kill landed inside the all-reduce
         assert "partial" in result["reason"] or "did not complete" in result["reason"]
+        if "values were not averaged" in result["reason"]:  # the dead reducer is named, with what it sent back
+            assert f"...{victim.info['peer_id'][-8:]}: " in result["reason"] and "parts back" in result["reason"]
         assert result["fresh_mean"] is None
     assert victim.proc.wait(timeout=10) == -9
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -70,22 +70,31 @@ class ByteCounter:
     received: int = 0
 
 
+@dataclass
+class _Replies:
+    """The averaged parts one reducer sent back to us so far."""
+
+    expected: int
+    received: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once all ``expected`` parts arrived or the reply stream ended (see RECEIVED_ALL)."""
+
+
 async def _count_received(
-    stream: AsyncIterator[Any], counter: ByteCounter, expected: int = 0, received_all: asyncio.Event | None = None
+    stream: AsyncIterator[Any], counter: ByteCounter, replies: _Replies | None = None
 ) -> AsyncIterator[Any]:
-    """Count bytes; set ``received_all`` once ``expected`` averaged parts arrived (or the stream ended)."""
-    parts = 0
+    """Count bytes, and averaged parts into ``replies``."""
     try:
         async for message in stream:
             counter.received += message.ByteSize()
-            if message.code == averaging_pb2.AVERAGED_PART:
-                parts += 1
-                if received_all is not None and parts >= expected:
-                    received_all.set()
+            if replies is not None and message.code == averaging_pb2.AVERAGED_PART:
+                replies.received += 1
+                if replies.received >= replies.expected:
+                    replies.done.set()
             yield message
     finally:
-        if received_all is not None:
-            received_all.set()
+        if replies is not None:
+            replies.done.set()
 
 
 async def accumulate(
@@ -115,17 +124,14 @@ async def _until_received_all(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
 class _CountingStub:
     """Wraps a hivemind stub so the averaged parts a reducer sends back to us are counted."""
 
-    def __init__(
-        self, stub: StubBase, counter: ByteCounter, expected: int = 0, received_all: asyncio.Event | None = None
-    ):
-        self._stub, self._counter = stub, counter
-        self._expected, self._received_all = expected, received_all
+    def __init__(self, stub: StubBase, counter: ByteCounter, replies: _Replies):
+        self._stub, self._counter, self._replies = stub, counter, replies
 
     async def rpc_aggregate_part(
         self, requests: AsyncIterator[averaging_pb2.AveragingData]
     ) -> AsyncIterator[Any]:
         stream = await self._stub.rpc_aggregate_part(requests)
-        return _count_received(stream, self._counter, self._expected, self._received_all)
+        return _count_received(stream, self._counter, self._replies)
 
 
 class CountingAllReduceRunner(AllReduceRunner):
@@ -178,7 +184,8 @@ class CountingAllReduceRunner(AllReduceRunner):
             info for _, info in self.tensor_part_container._input_parts_by_peer[my_index]
         )
         self._averaged_parts: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
-        self._received_all: dict[int, asyncio.Event] = {}  # per reducer index, see RECEIVED_ALL
+        self._replies: dict[int, _Replies] = {}  # per reducer index
+        self._reducer_failures: dict[PeerID, str] = {}
 
     def _serialized_average(self, part_index: int, averaged_part: Any) -> asyncio.Future[runtime_pb2.Tensor]:
         """The one serialization of averaged part ``part_index`` that every sender (and we) receive."""
@@ -197,7 +204,12 @@ class CountingAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except Exception as e:  # hivemind logs it at DEBUG only; faults() names the reducer and why
+                replies = self._replies_from(self.ordered_peer_ids.index(peer_id))
+                self._reducer_failures[peer_id] = f"{e!r} with {replies.received} of {replies.expected} parts back"
+                raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
@@ -237,11 +249,16 @@ class CountingAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
+    def _replies_from(self, reducer_index: int) -> _Replies:
+        replies = self._replies.get(reducer_index)
+        if replies is None:
+            replies = _Replies(self.tensor_part_container.num_parts_by_peer[reducer_index])
+            self._replies[reducer_index] = replies
+        return replies
+
     def _get_peer_stub(self, peer: PeerID) -> StubBase:
-        index = self.ordered_peer_ids.index(peer)
-        expected = self.tensor_part_container.num_parts_by_peer[index]
-        received_all = self._received_all.setdefault(index, asyncio.Event())
-        return _CountingStub(super()._get_peer_stub(peer), self._counter, expected, received_all)  # type: ignore[return-value]
+        replies = self._replies_from(self.ordered_peer_ids.index(peer))
+        return _CountingStub(super()._get_peer_stub(peer), self._counter, replies)  # type: ignore[return-value]
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -252,7 +269,7 @@ class CountingAllReduceRunner(AllReduceRunner):
                 self._fault_hook("part_sent")
         # Keep the stream open until the reducer's last part is here, then say so (see RECEIVED_ALL). If its
         # reply stream fails instead, the event is set too and the reducer gets an acknowledgement it ignores.
-        await self._received_all.setdefault(peer_index, asyncio.Event()).wait()
+        await self._replies_from(peer_index).done.wait()
         ack = averaging_pb2.AveragingData(code=RECEIVED_ALL)
         self._counter.sent += ack.ByteSize()
         yield ack
@@ -280,8 +297,10 @@ class CountingAllReduceRunner(AllReduceRunner):
             )
         failed = self.tensor_part_container.failed_size
         if failed:
+            why = "; ".join(f"...{peer.to_base58()[-8:]}: {reason}" for peer, reason in self._reducer_failures.items())
             reasons.append(
-                f"{failed} of {self.tensor_part_container.total_size} values were not averaged (a reducer failed)"
+                f"{failed} of {self.tensor_part_container.total_size} values were not averaged (a reducer failed"
+                + (f": {why})" if why else ")")
             )
         future = self._future
         if not future.done():
