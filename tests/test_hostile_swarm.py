@@ -59,7 +59,7 @@ def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(s
     shas = set()
     for peer in honest:
         result = results[peer.name]
-        assert result["outcome"] == "averaged", result["reason"]
+        assert result["outcome"] == "averaged", f"{peer.name}: {result['reason']}\n{swarm.warnings()}"
         reasons = dict(entry.split(": ", 1) for entry in result["rejected"])
         assert "max_round_weight" in reasons[ids["liar"]]
         assert ids["liar"] not in result["contributors"]

@@ -53,7 +53,7 @@ def _round(workdir: Path, bootstrap: list[str], aggregation: str) -> list[dict]:
         swarm.stop()
     assert "FAULT FIRED byzantine@0" in peers[-1].log_tail(100_000)
     for result in results:
-        assert result["outcome"] == "averaged", result["reason"]
+        assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
         assert result["group_size"] == 5
     assert len({r["fresh_sha"] for r in results}) == 1  # bitwise identical everywhere, attack or not
     return results

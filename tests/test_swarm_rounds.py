@@ -68,7 +68,7 @@ def test_three_peers_get_the_same_exact_weighted_mean(swarm: Swarm) -> None:
     swarm.wait_ready()
     results = [swarm.result(p) for p in peers]
     for result in results:
-        assert result["outcome"] == "averaged", result["reason"]
+        assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
         assert result["group_size"] == 3
         assert sorted(result["weights"]) == [1.0, 2.0, 5.0]
         assert result["stale_term"] is None
@@ -88,7 +88,7 @@ def test_lossy_codec_keeps_results_bitwise_identical_across_peers(swarm: Swarm) 
     results = [swarm.result(p) for p in peers]
     expected = _weighted([(1.0, 1.0), (1.0, 2.0), (1.0, 4.0)])
     for result in results:
-        assert result["outcome"] == "averaged", result["reason"]
+        assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
         for values, tensor in zip(result["fresh_mean"], expected, strict=True):
             # float16 keeps about 3 decimal digits
             torch.testing.assert_close(
@@ -109,7 +109,7 @@ def test_stale_work_is_a_separate_term_normalised_by_the_fresh_weight(swarm: Swa
     expected_fresh = _weighted([(1.0, 1.0), (3.0, 2.0)])
     expected_stale = [t * (2.0 / fresh_total) for t in _weighted([(0.5, 5.0), (1.5, 4.0)])]
     for name, result in results.items():
-        assert result["outcome"] == "averaged", (name, result["reason"])
+        assert result["outcome"] == "averaged", f"{name}: {result['reason']}\n{swarm.warnings()}"
         _assert_close(result["fresh_mean"], expected_fresh)
         _assert_close(result["stale_term"], expected_stale)
         by_peer = dict(
@@ -171,7 +171,7 @@ def test_followers_outwait_a_leader_that_stalls_before_assembling(swarm: Swarm) 
     stalled = [p.name for p in peers if "FAULT FIRED stall_leader@0" in p.log_tail(10**6)]
     assert len(stalled) == 1, stalled  # one leader, and it did stall
     for result in results:
-        assert result["outcome"] == "averaged", result["reason"]
+        assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
         assert result["group_size"] == 3
         _assert_close(result["fresh_mean"], _weighted([(1.0, 1.0), (1.0, 2.0), (1.0, 3.0)]))
     assert len({r["fresh_sha"] for r in results}) == 1
@@ -196,7 +196,7 @@ def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
     liar_id = liar.info["peer_id"]
     for peer in honest:
         result = swarm.result(peer)
-        assert result["outcome"] == "averaged", result["reason"]
+        assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
         assert liar_id not in result["contributors"] and result["group_size"] == 2
         assert any(r.startswith(liar_id) and "fingerprint" in r for r in result["refused"])
         _assert_close(result["fresh_mean"], _weighted([(1.0, 1.0), (1.0, 2.0)]))

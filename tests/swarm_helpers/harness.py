@@ -106,6 +106,14 @@ class Swarm:
             )
         return json.loads(path.read_text())
 
+    def warnings(self) -> str:
+        """Every peer's warnings and errors (hivemind's and ours), for the message of a failed assertion."""
+        lines = []
+        for peer in self.peers:
+            text = peer.log_tail(10**7)
+            lines += [f"{peer.name}: {line}" for line in text.splitlines() if "WARN" in line or "ERROR" in line]
+        return "\n".join(lines)
+
     def stop(self) -> None:
         self.stop_path.write_text("stop")
         for peer in self.peers:
