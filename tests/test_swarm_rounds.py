@@ -201,7 +201,11 @@ def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
         assert any(r.startswith(liar_id) and "fingerprint" in r for r in result["refused"])
         _assert_close(result["fresh_mean"], _weighted([(1.0, 1.0), (1.0, 2.0)]))
     liar_result = swarm.result(liar)
-    assert liar_result["outcome"] == "skipped" and "compatible member" in liar_result["reason"]
+    # The liar joins the honest group and then finds nobody compatible. Rarely, under load, the leader's
+    # acceptance reaches it after it stopped waiting (hivemind's join has no acknowledgement), and it reports no
+    # group instead; the honest peers have refused it either way, as checked above.
+    assert liar_result["outcome"] == "skipped", liar_result
+    assert any(r in liar_result["reason"] for r in ("compatible member", "no group formed")), liar_result
     other_result = swarm.result(other)
     assert other_result["outcome"] == "skipped" and "no group" in other_result["reason"]
 
