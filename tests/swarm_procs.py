@@ -15,7 +15,7 @@ from p2p_diloco.demo import wait_for_maddr  # noqa: F401 - the tests import it f
 # Loopback timings: rounds of a few seconds. Every peer of a test shares them. DyLU is held at H
 # (min-local-steps = local-steps): peers sharing this machine's two cores are not independent hardware,
 # and the one that happens to get the CPU while the others wait measures itself fastest, which makes the
-# others' step counts swing. DyLU itself is tested in tests/test_core_dylu.py and the simulator.
+# others' step counts swing. DyLU itself is tested in tests/unit/test_core_dylu.py and the simulator.
 FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "15",
         "--allreduce-timeout-s", "30", "--next-chunk-timeout-s", "10", "--request-timeout-s", "2",
         "--state-download-timeout-s", "30", "--startup-timeout-s", "15", "--progress-ttl-s", "30",

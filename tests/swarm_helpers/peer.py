@@ -1,4 +1,4 @@
-"""One swarm peer in its own process, driven by a JSON spec; used by tests/test_swarm_*.py.
+"""One swarm peer in its own process, driven by a JSON spec; used by tests/integration/test_swarm_*.py.
 
 Usage: python tests/swarm_helpers/peer.py SPEC.json
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-MONITORING = Path(__file__).resolve().parent.parent / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool is not installed (Debian package 'prometheus': apt-get install -y "

@@ -2,7 +2,7 @@
 all-reduce: hivemind's butterfly all-reduce between two processes on loopback, with the codec plugged in
 exactly as run_peer plugs it (``session.wire_compression``).
 
-This file is also the peer program: ``python tests/test_wire_codecs.py SPEC.json`` runs one peer through
+This file is also the peer program: ``python tests/integration/test_wire_codecs.py SPEC.json`` runs one peer through
 one round per codec and writes what it received and the bytes it sent.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT = "0123456789abcdef"
 SHAPES = [(256, 256), (4096,)]
 RUNS = [("none", False), ("fp16", False), ("int8", False), ("4bit", False), ("4bit", True)]

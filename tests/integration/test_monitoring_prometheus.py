@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from swarm_procs import events, start_bootstrap, start_peer, tail, wait_for
 
-MONITORING = Path(__file__).resolve().parent.parent / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "monitoring"
 PROMETHEUS = shutil.which("prometheus")
 RUN = "mon1"
 # Grafana substitutes these before a query reaches Prometheus; "All" of a multi-value variable is ".+".

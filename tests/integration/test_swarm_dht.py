@@ -311,9 +311,9 @@ def test_plain_hivemind_dht_node_interoperates(tmp_path: Path) -> None:
     if probe.returncode != 0:
         pytest.skip(f"cannot create a network namespace here: {probe.stderr.decode(errors='replace')[:200]}")
     out = tmp_path / "interop.json"
-    helper = Path(__file__).parent / "swarm_helpers" / "interop.py"
+    helper = Path(__file__).parents[1] / "swarm_helpers" / "interop.py"
     script = f'"{ip}" link set lo up && exec "{sys.executable}" "{helper}" "{out}"'
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     run = subprocess.run([unshare, "-n", "sh", "-c", script], capture_output=True, timeout=50, env=env)
     assert out.exists(), run.stdout.decode(errors="replace")[-3000:]
     report = json.loads(out.read_text())

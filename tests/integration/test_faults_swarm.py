@@ -6,7 +6,7 @@ Each fault is checked for the issue's three properties: it fired (a ``fault`` ev
 peer that reached an epoch through the swarm holds the same parameters (``params_sha256``); and every round
 either completed or was cleanly skipped within its deadline, with no work lost (a skipped round's samples
 are carried into the next round's weight). Kill during the all-reduce and ``--resume`` are covered in
-tests/test_peer_swarm.py.
+tests/integration/test_peer_swarm.py.
 """
 
 from __future__ import annotations

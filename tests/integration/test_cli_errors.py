@@ -75,7 +75,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, d
     (d / "open.key").write_bytes(b"\x08\x01\x12\x40" + bytes(64))
     (d / "open.key").chmod(0o644)
     cases = _cases(d)
-    results = _run_all(cases, Path(__file__).resolve().parents[1], d)
+    results = _run_all(cases, Path(__file__).resolve().parents[2], d)
     return {name: (cases[name][3], results[name]) for name in cases}
 
 

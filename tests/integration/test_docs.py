@@ -36,7 +36,7 @@ from p2p_diloco.cli.run_bootstrap import BootstrapConfig
 from p2p_diloco.config_loader import build
 from p2p_diloco.peer.config import PeerConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GUIDES = ["README.md", "peers/README.md", "bootstrap/README.md"]
 INSTALL_PREFIX = "/opt/p2p_diloco"
 """Where the systemd units and the Dockerfile expect the repository; mapped to this checkout here."""
@@ -52,25 +52,25 @@ COVERAGE: list[tuple[str, str]] = [
     (r"TORCH_INDEX_URL=\S+ bash scripts/setup\.sh", "scripts/test.sh"),
     (r"bash scripts/demo\.sh", "scripts/demo.sh"),
     (r"bash scripts/test\.sh", "scripts/test.sh"),
-    (r"\.venv/bin/python -c .*torch.*", "tests/test_docs.py::test_torch_check_command_runs"),
-    # the CLIs: parsed here; the doctor runs here on loopback and in tests/test_doctor.py; training and
+    (r"\.venv/bin/python -c .*torch.*", "tests/integration/test_docs.py::test_torch_check_command_runs"),
+    # the CLIs: parsed here; the doctor runs here on loopback and in tests/integration/test_doctor.py; training and
     # bootstrap nodes run in the multi-peer tests (same programs, loopback addresses).
-    (r".*run_peer (doctor )?--help", "tests/test_docs.py::test_help_commands_run"),
-    (r".*run_bootstrap --help", "tests/test_docs.py::test_help_commands_run"),
+    (r".*run_peer (doctor )?--help", "tests/integration/test_docs.py::test_help_commands_run"),
+    (r".*run_bootstrap --help", "tests/integration/test_docs.py::test_help_commands_run"),
     (r".*run_peer doctor .*|.*python -m p2p_diloco\.cli\.doctor .*",
-     "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
-    (r".*run_peer .*", "tests/test_peer_swarm.py::test_three_peers_train_fold_late_work_and_admit_a_joiner"),
-    (r".*run_bootstrap .*", "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
+     "tests/integration/test_docs.py::test_readme_local_swarm_and_preflight"),
+    (r".*run_peer .*", "tests/integration/test_peer_swarm.py::test_three_peers_train_fold_late_work_and_admit_a_joiner"),
+    (r".*run_bootstrap .*", "tests/integration/test_docs.py::test_readme_local_swarm_and_preflight"),
     # deployment: the units' ExecStart lines and the image's ENTRYPOINT/CMD are parsed here; systemd and
     # docker themselves need root or a GPU host and are not run by the suite.
-    (r"sudo cp \S+\.service /etc/systemd/system/", "tests/test_docs.py::test_deployment_files_parse"),
-    (r"sudo systemctl .*", "tests/test_docs.py::test_deployment_files_parse"),
-    (r"docker (build|stop) .*", "tests/test_docs.py::test_deployment_files_parse"),
+    (r"sudo cp \S+\.service /etc/systemd/system/", "tests/integration/test_docs.py::test_deployment_files_parse"),
+    (r"sudo systemctl .*", "tests/integration/test_docs.py::test_deployment_files_parse"),
+    (r"docker (build|stop) .*", "tests/integration/test_docs.py::test_deployment_files_parse"),
     # `docker run IMAGE ARGS` runs run_peer with ARGS (parsed here); without ARGS, the image's CMD
-    (r"docker run .* p2p-diloco-peer doctor .*", "tests/test_docs.py::test_readme_local_swarm_and_preflight"),
-    (r"docker run .* p2p-diloco-peer", "tests/test_docs.py::test_deployment_files_parse"),
+    (r"docker run .* p2p-diloco-peer doctor .*", "tests/integration/test_docs.py::test_readme_local_swarm_and_preflight"),
+    (r"docker run .* p2p-diloco-peer", "tests/integration/test_docs.py::test_deployment_files_parse"),
     # the fix the node prints for a readable key; the test checks the message and that 0600 is accepted
-    (r"chmod 600 \S+", "tests/test_swarm_dht.py::test_readable_identity_is_refused"),
+    (r"chmod 600 \S+", "tests/integration/test_swarm_dht.py::test_readable_identity_is_refused"),
     (r"rm -rf \.venv", "external: removes the environment so that scripts/setup.sh recreates it"),
     (r"source \.venv/bin/activate", "external: the venv's own activation script"),
     (r"sudo useradd .*", "external: creates the service user (root only)"),
@@ -236,8 +236,9 @@ def test_readme_local_swarm_and_preflight(tmp_path: Path, capsys: pytest.Capture
                 for w in _readme_block_command("run_bootstrap", "127.0.0.1")]
     assert Path(boot_cmd[0]).name == "run_bootstrap"
     out = open(tmp_path / "bootstrap.out", "w")
-    boot = subprocess.Popen([str(ROOT / boot_cmd[0]), *boot_cmd[1:]], stdout=out, stderr=subprocess.STDOUT,
-                            env=env(), cwd=ROOT)
+    # The program the README names, run by this interpreter: the checkout need not hold a .venv.
+    boot = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", *boot_cmd[1:]], stdout=out,
+                            stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
     try:
         maddr = wait_for_maddr(tmp_path / "bootstrap.out", boot)
         assert f"/tcp/{port}/p2p/" in maddr

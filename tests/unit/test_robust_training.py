@@ -1,6 +1,6 @@
 """Training loss under one Byzantine worker among five: plain mean against the robust rules.
 
-tests/test_robust_swarm.py measures one aggregate vector between real processes; this measures what that
+tests/integration/test_robust_swarm.py measures one aggregate vector between real processes; this measures what that
 vector does to training. The simulator averages through ``core.robust.GroupReduction``, i.e. the swarm
 reducers' own ``reduce_part`` on the same parts, so the losses below are those of a swarm whose peers all
 run the given ``aggregation``. The attacker (worker 4) sends its pseudo-gradient times -20 in every round

@@ -23,7 +23,7 @@ from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 ROUNDS = 4
-VANDAL = Path(__file__).parent / "swarm_helpers" / "dht_vandal.py"
+VANDAL = Path(__file__).parents[1] / "swarm_helpers" / "dht_vandal.py"
 # Records the guard must drop on receipt at every guarded node (the checksum junk is dropped on reading).
 PROGRESS_KINDS = ("malformed", "oversized", "forged_plain", "forged_unsigned", "bad_signature", "wrong_owner")
 
