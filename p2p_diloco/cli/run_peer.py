@@ -3,7 +3,10 @@
 - no arguments: start a new swarm on the embedded defaults (tiny model, embedded corpus) and print how
   others join;
 - ``--initial-peers MADDR ...``: join an existing swarm;
-- ``doctor [same flags]``: check that joining would work, without training (:mod:`p2p_diloco.cli.doctor`).
+- ``doctor [same flags]``: check that joining would work, without training (:mod:`p2p_diloco.cli.doctor`);
+- ``export [same flags] --output DIR``: the model as a Hugging Face folder (:mod:`p2p_diloco.cli.export`);
+- ``eval [same flags]``: loss and perplexity on the held-out split (:mod:`p2p_diloco.cli.evaluate`);
+- ``plot LOGFILE...``: round logs (``--log-file``) to a PNG (:mod:`p2p_diloco.cli.plot`).
 
 The training loop below is plain PyTorch (``InnerTrainer``); the swarm is reached only through the
 ``SwarmSession`` contract.
@@ -11,6 +14,7 @@ The training loop below is plain PyTorch (``InnerTrainer``); the swarm is reache
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import sys
@@ -33,6 +37,9 @@ from p2p_diloco.swarm import SwarmStartError, params_sha256
 
 logger = logging.getLogger(__name__)
 PROG = "run_peer"
+SUBCOMMANDS = {"doctor": "p2p_diloco.cli.doctor", "export": "p2p_diloco.cli.export",
+               "eval": "p2p_diloco.cli.evaluate", "plot": "p2p_diloco.cli.plot"}
+"""``run_peer NAME ...`` runs the module's ``main`` with the remaining arguments."""
 
 
 class Stop(BaseException):
@@ -67,10 +74,8 @@ def _load_resume(cfg: PeerConfig, fingerprint: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["doctor"]:
-        from p2p_diloco.cli import doctor
-
-        return doctor.main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     parser = make_parser(PROG, "Train a language model together with a p2p_diloco swarm.", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
