@@ -41,19 +41,24 @@ def build_model_and_tokenizer(cfg: TrainConfig) -> tuple[Tokenizer, PreTrainedMo
     return tokenizer, model
 
 
+def held_out_batches(cfg: TrainConfig, tokenizer: Tokenizer) -> list[torch.Tensor]:
+    """The evaluation batches of the held-out split: the same on every peer and in ``run_peer eval``."""
+    held_out = open_text_dataset(cfg.data.dataset, "eval", cfg.data.text_field, cfg.data.dataset_config)
+    return eval_batches(
+        held_out, tokenizer, cfg.model.seq_len, cfg.inner.micro_batch, cfg.data.eval_batches, cfg.data.text_field
+    )
+
+
 def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = None,
                 parts: tuple[Tokenizer, PreTrainedModel] | None = None) -> LocalSetup:
     """Everything a peer trains with. ``peer_id`` picks its data shard; ``parts`` reuses a built model."""
     tokenizer, model = parts or build_model_and_tokenizer(cfg)
     train = open_text_dataset(cfg.data.dataset, "train", cfg.data.text_field, cfg.data.dataset_config)
-    held_out = open_text_dataset(cfg.data.dataset, "eval", cfg.data.text_field, cfg.data.dataset_config)
     stream = PeerTokenStream(
         train, tokenizer, cfg.model.seq_len, cfg.inner.batch_size, peer_id,
         text_field=cfg.data.text_field, num_shards=cfg.data.virtual_shards, seed=cfg.run.seed,
         position=position,
     )
-    evals = eval_batches(
-        held_out, tokenizer, cfg.model.seq_len, cfg.inner.micro_batch, cfg.data.eval_batches, cfg.data.text_field
-    )
+    evals = held_out_batches(cfg, tokenizer)
     trainer = InnerTrainer(model, cfg.inner, stream)
     return LocalSetup(cfg, tokenizer, model, stream, trainer, evals, model_fingerprint(model, cfg.model.model))

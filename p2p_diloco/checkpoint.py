@@ -142,3 +142,11 @@ def load_latest(directory: str | os.PathLike) -> Checkpoint | None:
         except (CheckpointError, FileNotFoundError) as e:
             logger.warning("skipping checkpoint: %s", e)
     return None
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """The one checkpoint folder ``path`` (a ``ckpt-*`` folder), verified; raises ``CheckpointError``."""
+    try:
+        return _read(Path(path))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: {e.strerror or e}") from None

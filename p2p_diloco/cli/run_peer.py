@@ -3,7 +3,10 @@
 - no arguments: start a new swarm on the embedded defaults (tiny model, embedded corpus) and print how
   others join;
 - ``--initial-peers MADDR ...``: join an existing swarm;
-- ``doctor [same flags]``: check that joining would work, without training (:mod:`p2p_diloco.cli.doctor`).
+- ``doctor [same flags]``: check that joining would work, without training (:mod:`p2p_diloco.cli.doctor`);
+- ``export [same flags] --output DIR``: the model as a Hugging Face folder (:mod:`p2p_diloco.cli.export`);
+- ``eval [same flags]``: loss and perplexity on the held-out split (:mod:`p2p_diloco.cli.evaluate`);
+- ``plot LOGFILE...``: round logs (``--log-file``) to a PNG (:mod:`p2p_diloco.cli.plot`).
 
 The training loop below is plain PyTorch (``InnerTrainer``); the swarm is reached only through the
 ``SwarmSession`` contract.
@@ -11,6 +14,7 @@ The training loop below is plain PyTorch (``InnerTrainer``); the swarm is reache
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import sys
@@ -25,6 +29,7 @@ from p2p_diloco.data.loader import DataPosition
 from p2p_diloco.data.sources import DataSourceError
 from p2p_diloco.models import ModelLoadError, count_parameters, model_fingerprint
 from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay
+from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingError
 from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.faults import FaultPlan
 from p2p_diloco.peer.runlog import RunLog
@@ -33,6 +38,9 @@ from p2p_diloco.swarm import SwarmStartError, params_sha256
 
 logger = logging.getLogger(__name__)
 PROG = "run_peer"
+SUBCOMMANDS = {"doctor": "p2p_diloco.cli.doctor", "export": "p2p_diloco.cli.export",
+               "eval": "p2p_diloco.cli.evaluate", "plot": "p2p_diloco.cli.plot"}
+"""``run_peer NAME ...`` runs the module's ``main`` with the remaining arguments."""
 
 
 class Stop(BaseException):
@@ -67,10 +75,8 @@ def _load_resume(cfg: PeerConfig, fingerprint: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["doctor"]:
-        from p2p_diloco.cli import doctor
-
-        return doctor.main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     parser = make_parser(PROG, "Train a language model together with a p2p_diloco swarm.", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
@@ -89,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len)
     session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display], faults=faults)
     metrics = _start_metrics(cfg, session) if cfg.run.metrics_port else None
+    tracker: ExperimentTracker | None = None
     try:
         try:
             how = session.start(ck.tensors if ck else None, ck.epoch if ck else 0)
@@ -99,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # handler would ignore the SIGTERM its parent's shutdown sends it, and outlive the peer.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_stop)
+        tracker = _start_tracking(cfg, session)
         data_id = ck.manifest.get("data_id", session.peer_id) if ck else session.peer_id
         position = DataPosition.from_dict(ck.manifest.get("data_position", {})) if ck else None
         try:
@@ -122,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
         if metrics:
             metrics.eval(eval_loss, session.epoch)
+        if tracker:
+            tracker.eval(eval_loss, session.epoch)
         print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
         while not session.done:
             session.begin_round()
@@ -132,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval_loss = trainer.evaluate(local.eval_batches) if evaluated else float("nan")
             if metrics and evaluated:
                 metrics.eval(eval_loss, session.epoch)
+            if tracker and evaluated:
+                tracker.eval(eval_loss, session.epoch)
             runlog.write("round", peer_id=session.peer_id, eval_loss=eval_loss, **report.as_dict())
             print(f"epoch {report.epoch} -> {report.new_epoch}: {report.outcome} (group {report.group_size}), "
                   f"{report.inner_steps} steps, train {report.train_loss:.4f}"
@@ -149,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)
         session.close()
         runlog.close()
+        if tracker:
+            tracker.close()
     return 0
 
 
@@ -164,6 +178,22 @@ def _checkpoint(cfg: PeerConfig, session: SwarmSession, position: DataPosition, 
         logger.error("%s", e)
         return False
     return True
+
+
+def _start_tracking(cfg: PeerConfig, session: SwarmSession) -> ExperimentTracker | None:
+    """W&B and/or TensorBoard (--wandb-project, --tensorboard-dir) as a listener of the session.
+
+    Started after the session: its DHT and averager processes are forked by then, before the trackers'
+    threads and W&B's service process exist.
+    """
+    try:
+        tracker = ExperimentTracker.from_config(cfg.tracking, cfg.run.run_id, to_dict(cfg))
+    except TrackingError as e:
+        usage_error(PROG, str(e))
+    if tracker is not None:
+        tracker.set_peer_id(session.peer_id)
+        session.listeners.append(tracker)
+    return tracker
 
 
 def _start_metrics(cfg: PeerConfig, session: SwarmSession) -> PeerMetrics:

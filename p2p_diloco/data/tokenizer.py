@@ -20,6 +20,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def save_pretrained(self, path: str) -> None: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted by 3; vocabulary of 259."""
@@ -38,6 +40,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.offset for i in ids if i >= self.offset)
         return data.decode("utf-8", errors="replace")
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the equivalent ``ByT5Tokenizer`` (no sentinel ids), so ``AutoTokenizer`` loads the folder."""
+        from transformers import ByT5Tokenizer
+
+        ByT5Tokenizer(extra_ids=0).save_pretrained(path)
 
 
 class HFTokenizer:
@@ -58,10 +66,15 @@ class HFTokenizer:
         self.eos_token_id = int(eos if eos is not None else 0)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []  # a fast tokenizer raises IndexError on an empty batch; callers may pass one
         return self._tok(texts, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+    def save_pretrained(self, path: str) -> None:
+        self._tok.save_pretrained(path)
 
 
 def load_tokenizer(name: str | None, model: str, presets: tuple[str, ...]) -> Tokenizer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2p_diloco.config import TrainConfig
+from p2p_diloco.monitoring.tracking import TrackingConfig
 from p2p_diloco.swarm.config import SwarmConfig
 
 
@@ -13,6 +14,7 @@ class PeerConfig(TrainConfig):
     """Everything ``run_peer`` takes; each leaf field is also a flag, an env variable and a file key."""
 
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
