@@ -28,7 +28,7 @@ class ModelConfig:
     """Which model every peer of the run trains."""
 
     model: str = "tiny"
-    """A preset (tiny ~1M params, small ~20M, 150m ~150M; Llama architecture) or a Hugging Face causal-LM
+    """A preset (tiny ~1M params, mini ~5M, small ~20M, 150m ~150M; Llama architecture) or a Hugging Face causal-LM
     id or local path. Presets are built from scratch; a name or path is loaded with from_pretrained."""
 
     seq_len: int = 128
@@ -37,7 +37,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.model or not self.model.strip():
-            raise ValueError("model: must name a preset (tiny, small, 150m) or a Hugging Face model")
+            raise ValueError("model: must name a preset (tiny, mini, small, 150m) or a Hugging Face model")
         if not 8 <= self.seq_len <= 65536:
             raise ValueError(f"seq_len: must be in [8, 65536], got {self.seq_len}")
 

@@ -30,6 +30,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     # ~0.84M parameters: trains on a laptop CPU in minutes; tests and the demo use it.
     "tiny": Preset(128, 352, 4, 4, "about 1M parameters, for tests and CPU demos"),
+    # ~4.9M parameters: between tiny and small, for longer simulator runs that stay on a CPU.
+    "mini": Preset(256, 704, 6, 4, "about 5M parameters, for longer CPU simulations"),
     # ~21M parameters: the Async Local-SGD paper's smallest model size.
     "small": Preset(384, 1024, 12, 6, "about 20M parameters (the Async Local-SGD paper's smallest)"),
     # ~116M with bytes, ~146M with a 32k vocabulary: the DiLoCo paper's main size.

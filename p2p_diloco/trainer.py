@@ -27,6 +27,41 @@ from p2p_diloco.device import autocast, autocast_dtype, select_device
 logger = logging.getLogger(__name__)
 
 
+def make_adamw(
+    named_params: Sequence[tuple[str, torch.Tensor]], cfg: InnerConfig, *, fused: bool = False,
+    ndims: Sequence[int] | None = None,
+) -> torch.optim.AdamW:
+    """The inner AdamW: betas (0.9, 0.95), decoupled weight decay on matrices only.
+
+    ``ndims`` gives each parameter's own rank when the tensors carry an extra leading dimension (the
+    simulator's stacked workers), so the decay groups are the same as for one model.
+    """
+    decay, no_decay = [], []
+    for index, (name, p) in enumerate(named_params):
+        ndim = p.ndim if ndims is None else ndims[index]
+        # Norm gains and biases are not decayed: shrinking them towards zero only hurts.
+        (no_decay if ndim < 2 or "norm" in name else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        fused=fused,
+    )
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: InnerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` over ``total_steps`` (constant when 0).
+
+    The schedule runs over the peer's whole training, not one round: the step count carries across
+    rounds, so warmup happens once and the cosine never restarts.
+    """
+    if cfg.total_steps > 0:
+        return get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, cfg.warmup_steps, max(cfg.total_steps, cfg.warmup_steps + 1), min_lr_rate=cfg.min_lr_ratio
+        )
+    return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
+
+
 @dataclass
 class InnerStats:
     """What one inner phase did."""
@@ -57,23 +92,8 @@ class InnerTrainer:
         self.model = model.to(self.device)
         self.model.train()
         self._batches = iter(batches)
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            # Norm gains and biases are not decayed: shrinking them towards zero only hurts.
-            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-            fused=self.device.type == "cuda",
-        )
-        if cfg.total_steps > 0:
-            self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-                self.optimizer, cfg.warmup_steps, max(cfg.total_steps, cfg.warmup_steps + 1),
-                min_lr_rate=cfg.min_lr_ratio,
-            )
-        else:
-            self.scheduler = get_constant_schedule_with_warmup(self.optimizer, cfg.warmup_steps)
+        self.optimizer = make_adamw(list(self.model.named_parameters()), cfg, fused=self.device.type == "cuda")
+        self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step_count = 0
 
     def parameters(self) -> list[torch.Tensor]:

@@ -135,7 +135,7 @@ def check_resources(cfg, device) -> list[Check]:
     except Exception as e:  # a hub id that cannot be resolved offline, a bad local folder, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return [Check("model", "fail", f"cannot read the configuration of model {cfg.model.model!r}: {first}",
-                      "use a preset (tiny, small, 150m), a local folder with config.json, or a hub id while "
+                      "use a preset (tiny, mini, small, 150m), a local folder with config.json, or a hub id while "
                       "online")]
     checks = [Check("model", "ok", f"{cfg.model.model}: {shape.parameters:,} parameters")]
     if device is None:

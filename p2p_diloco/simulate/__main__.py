@@ -5,6 +5,7 @@ Example::
     python -m p2p_diloco.simulate --mode diloco --workers 4 --local-steps 20 --rounds 10 --json out.json
     python -m p2p_diloco.simulate --mode async-dn --speeds 1 1 1 0.4 --compression 4bit
     python -m p2p_diloco.simulate --workers 5 --byzantine 4=-20 --aggregation centered-clip
+    python -m p2p_diloco.simulate sweep --local-steps 500 --workers 8   # outer lr/momentum for your H, k
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def parse_byzantine(items: Sequence[str]) -> dict[int, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sweep"]:
+        from p2p_diloco.simulate.sweep import main as sweep_main
+
+        return sweep_main(argv[1:], DEFAULTS)
     parser = make_parser(
         PROG, "Simulate k peers on a virtual clock, driving the same core as the swarm.", TrainConfig
     )

@@ -19,6 +19,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,10 @@ from p2p_diloco.core.robust import (
     GroupReduction,
     part_size_values,
 )
+from p2p_diloco.trainer import InnerStats
+
+if TYPE_CHECKING:
+    from p2p_diloco.simulate.batched import BatchedInnerTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,11 @@ class SimConfig:
     part_size_bytes: int = PART_SIZE_BYTES
     """``SwarmConfig.part_size_bytes``: the all-reduce reduces parts of this many wire bytes one at a time
     (the screen and the robust rules act per part), 1 KiB-64 MiB."""
+    batched: bool = False
+    """Train the k workers of a synchronous round (diloco, fedavg, eager) as one stacked model through
+    ``torch.func.vmap`` (:mod:`.batched`). Same numbers up to float rounding; faster where a step is bound
+    by kernel launches (small models on a GPU), about as fast on a CPU, where the matrix products dominate.
+    The other modes ignore it."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -161,6 +171,7 @@ class Worker:
         self.speed = speed
         self.clock = 0.0
         self.bytes_sent = 0
+        self.batched: BatchedInnerTrainer | None = None
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -168,7 +179,11 @@ class Worker:
 
 
 def build_workers(cfg: TrainConfig, sim: SimConfig, *, lr: float, momentum: float) -> list[Worker]:
-    """k workers with identical initial weights (same seed) and disjoint data (peer id per worker)."""
+    """k workers with identical initial weights (same seed) and their own data (peer id per worker).
+
+    With ``sim.batched`` (synchronous modes) their parameters become slices of one stacked model, trained
+    by :func:`train_round`.
+    """
     policy = StalenessPolicy(cfg.outer.staleness_decay, cfg.outer.max_staleness)
     workers = []
     for i in range(sim.workers):
@@ -182,7 +197,22 @@ def build_workers(cfg: TrainConfig, sim: SimConfig, *, lr: float, momentum: floa
             error_feedback=cfg.outer.error_feedback,
         )
         workers.append(Worker(i, local, state, sim.speeds[i]))
+    if sim.batched and sim.mode in ALLREDUCE_MODES and len(workers) > 1:
+        from p2p_diloco.simulate.batched import BatchedInnerTrainer
+
+        batched = BatchedInnerTrainer([w.local.model for w in workers], [w.local.stream for w in workers],
+                                      cfg.inner)
+        for w in workers:
+            w.batched = batched
     return workers
+
+
+def train_round(workers: Sequence[Worker], steps: int) -> list[InnerStats]:
+    """Every worker runs ``steps`` inner steps: in one stacked model when they share one, else in turn."""
+    batched = workers[0].batched
+    if batched is not None:
+        return batched.train_steps(steps)
+    return [w.local.trainer.train_steps(steps) for w in workers]
 
 
 def allreduce_seconds(nbytes: int, workers: int, bandwidth_mbps: float) -> float:

@@ -35,6 +35,7 @@ from p2p_diloco.simulate.engine import (
     group_reduction,
     record_bans,
     sent_by,
+    train_round,
 )
 from p2p_diloco.trainer import InnerTrainer, evaluate_model
 
@@ -117,8 +118,7 @@ def run_sync(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None)
     clock, steps, sent = 0.0, 0, 0
     for rnd in range(1, sim.rounds + 1):
         sent_all, weights, nbytes = [], [], 0
-        for w in workers:
-            stats = w.local.trainer.train_steps(H)
+        for w, stats in zip(workers, train_round(workers, H), strict=True):
             decoded, nbytes = w.state.encode(w.state.pseudo_gradient(w.params))
             sent_all.append(sent_by(sim, w, decoded))
             weights.append(float(stats.samples))
@@ -150,8 +150,7 @@ def run_eager(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None
     prev_shares: list[float] = []
     for rnd in range(1, sim.rounds + 1):
         fresh, decoded_all, weights, nbytes = [], [], [], 0
-        for w in workers:
-            stats = w.local.trainer.train_steps(H)
+        for w, stats in zip(workers, train_round(workers, H), strict=True):
             delta = [t.clone() for t in w.state.pseudo_gradient(w.params)]
             decoded, nbytes = w.state.encode(delta)
             fresh.append(delta)
