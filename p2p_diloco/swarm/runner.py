@@ -187,6 +187,17 @@ class CountingAllReduceRunner(AllReduceRunner):
         self._replies: dict[int, _Replies] = {}  # per reducer index
         self._reducer_failures: dict[PeerID, str] = {}
 
+    def should_delay_results(self, peer_id: PeerID) -> bool:
+        """Never: a client-mode sender reads its averages while it still sends, as every sender does here.
+
+        hivemind makes a client (a peer with no share to reduce) read its averages only after it has sent
+        all its parts, and its reducers answer only after the client's input stream ended. Our senders end
+        that stream only after the reducer's last average arrived (see ``RECEIVED_ALL``), so with the delay a
+        client and its reducers would wait for each other until ``allreduce_timeout_s``. Every member runs
+        this runner, so both sides agree on it.
+        """
+        return False
+
     def _serialized_average(self, part_index: int, averaged_part: Any) -> asyncio.Future[runtime_pb2.Tensor]:
         """The one serialization of averaged part ``part_index`` that every sender (and we) receive."""
         future = self._averaged_parts.get(part_index)

@@ -202,7 +202,14 @@ class StateServer:
         (its background thread answers the averager process), so a plain counter under the lock is exact."""
 
     def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int) -> str:
-        """Snapshot the state of ``epoch`` and serve it; returns the parameters' sha256."""
+        """Snapshot the state of ``epoch`` and serve it; returns the parameters' sha256.
+
+        A client-mode peer serves nothing: it accepts no incoming connections, so no joiner could download
+        from it, and hivemind refuses to announce its state. It keeps no snapshot either (a copy of the
+        model for nothing) and only gets the checksum back; it downloads state like any other peer.
+        """
+        if self._averager.client_mode:
+            return params_sha256(params)
         params_cpu = [t.detach().to("cpu", copy=True) for t in params]
         opt_cpu = [t.detach().to("cpu", copy=True) for t in opt_tensors]
         sha = params_sha256(params_cpu)

@@ -1,0 +1,87 @@
+"""A client-mode peer (behind NAT: nobody can dial it) in a swarm of full peers, as real processes on loopback.
+
+It must join through the full peers, download their state, average with them (its parts go to full peers,
+which reduce them; it reduces nothing) and never announce itself as a state donor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hivemind.p2p import PeerID
+from hivemind.utils import ValueWithExpiration
+from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wait_for
+
+from p2p_diloco.swarm import SwarmConfig, fetch_progress, start_dht
+
+pytestmark = pytest.mark.slow
+
+RUN = ["--run-id", "cm", "--local-steps", "3", "--min-local-steps", "3", "--target-group-size", "4",
+       "--eval-every", "0"]
+
+
+def _donors(maddr: str, run_id: str) -> tuple[set[str], set[str]]:
+    """Peer ids announcing shareable state for ``run_id`` (read from the DHT), and every peer's id."""
+    dht = start_dht(SwarmConfig.for_loopback(initial_peers=[maddr], client_mode=True))
+    try:
+        records = fetch_progress(dht, run_id)
+        fingerprint = records[0].fingerprint
+        found = dht.get(f"{run_id}_{fingerprint[:16]}.all_averagers", latest=True)
+    finally:
+        dht.shutdown()
+    donors = set()
+    if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict):
+        for subkey, entry in found.value.items():
+            if isinstance(entry, ValueWithExpiration) and entry.value is not None:
+                donors.add(PeerID(subkey).to_base58())
+    return donors, {r.peer_id for r in records}
+
+
+def test_client_mode_peer_joins_downloads_and_averages_with_full_peers(tmp_path: Path) -> None:
+    boot, maddr = start_bootstrap(tmp_path)
+    procs: dict = {}
+    try:
+        procs["a"] = start_peer(tmp_path, "a", maddr, *RUN, "--max-rounds", "40")
+        procs["b"] = start_peer(tmp_path, "b", maddr, *RUN, "--max-rounds", "40")
+        # the client comes once the full peers have moved on, so it must download their state
+        wait_for(lambda: any(r["new_epoch"] >= 1 for r in events(tmp_path, "b", "round"))
+                 or any(p.poll() is not None for p in procs.values()), 120, "epoch 1 at b")
+        procs["c"] = start_peer(tmp_path, "c", maddr, *RUN, "--client-mode", "true", "--max-rounds", "6")
+
+        def averaged_by_client() -> list[dict]:
+            return [r for r in events(tmp_path, "c", "round") if r["outcome"] == "averaged" and r["group_size"] == 3]
+
+        wait_for(lambda: averaged_by_client() or procs["c"].poll() is not None, 120, "a round with the client")
+        donors, peers = _donors(maddr, "cm")
+        wait_for(lambda: len(averaged_by_client()) >= 3 or procs["c"].poll() is not None, 120,
+                 "three rounds with the client")
+        for proc in procs.values():
+            proc.terminate()
+        codes = wait_all(procs, 60)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        boot.terminate()
+    assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in procs}
+    assert "Traceback" not in tail(tmp_path, "c", 10**6)
+
+    ids = {n: events(tmp_path, n, "start")[0]["peer_id"] for n in procs}
+    start = events(tmp_path, "c", "start")[0]
+    assert start["how"].startswith("joined at epoch"), start  # downloaded the full peers' state
+    assert start["epoch"] >= 1
+
+    # three rounds in which all three averaged together, ending with the very same parameters
+    rounds = {n: {r["new_epoch"]: r for r in events(tmp_path, n, "round") if r["outcome"] == "averaged"}
+              for n in procs}
+    together = [r for r in rounds["c"].values() if r["group_size"] == 3]
+    assert len(together) >= 3, events(tmp_path, "c", "round")
+    for r in together:
+        assert set(r["contributors"]) == set(ids.values()), r
+        for full in "ab":
+            assert rounds[full][r["new_epoch"]]["params_sha256"] == r["params_sha256"], (full, r["new_epoch"])
+
+    # the full peers announce their state; the client, which nobody can dial, never does
+    assert set(ids.values()) <= peers
+    assert {ids["a"], ids["b"]} <= donors and ids["c"] not in donors, (donors, ids)
