@@ -29,6 +29,15 @@ from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.swarm import params_sha256
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Two threads on two shared cores: OpenMP's waits cost more than they bring (5x slower evals here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _logits(model: torch.nn.Module, vocab: int) -> torch.Tensor:
     ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
