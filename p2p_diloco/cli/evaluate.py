@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from p2p_diloco.build import held_out_batches
-from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
+from p2p_diloco.cli.common import Parser, make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.cli.model_source import SourceError, add_source_argument, load_model, quiet_progress_bars
 from p2p_diloco.data.sources import DataSourceError
 from p2p_diloco.device import autocast_dtype, select_device
@@ -43,11 +43,16 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> Parser:
+    """``run_peer``'s flags plus ``--source`` and ``--json``."""
     parser = make_parser(PROG, "Loss and perplexity of the run's model on the held-out split.", PeerConfig)
     add_source_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line of text")
-    cfg, args = parse_config(parser, PeerConfig, sys.argv[1:] if argv is None else list(argv))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, args = parse_config(build_parser(), PeerConfig, sys.argv[1:] if argv is None else list(argv))
     setup_logging(args.verbose)
     quiet_progress_bars()
     try:

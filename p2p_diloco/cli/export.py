@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from p2p_diloco import __version__
-from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
+from p2p_diloco.cli.common import Parser, make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.cli.model_source import (
     INFO_FILE,
     LoadedModel,
@@ -141,7 +141,8 @@ def push_folder(folder: Path, repo_id: str, *, private: bool, commit_message: st
     return str(getattr(commit, "commit_url", commit))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> Parser:
+    """``run_peer``'s flags plus the export's own."""
     parser = make_parser(PROG, "Write the run's model as a Hugging Face folder (and optionally push it).", PeerConfig)
     add_source_argument(parser)
     parser.add_argument("--output", metavar="DIR", required=True, help="the folder to write")
@@ -154,7 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="upload the folder to this Hugging Face model repository (user/name), creating it")
     parser.add_argument("--private", action="store_true", help="create the hub repository as private")
     parser.add_argument("--commit-message", default=None, help="hub commit message (default: names the epoch)")
-    cfg, args = parse_config(parser, PeerConfig, sys.argv[1:] if argv is None else list(argv))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, args = parse_config(build_parser(), PeerConfig, sys.argv[1:] if argv is None else list(argv))
     setup_logging(args.verbose)
     quiet_progress_bars()
     try:

@@ -155,11 +155,15 @@ def draw(logs: list[PeerLog], output: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> Parser:
     parser = Parser(prog=PROG, description="Draw peers' JSON-lines round logs (run_peer --log-file) as a PNG.")
     parser.add_argument("logs", nargs="+", metavar="LOGFILE", help="JSON-lines logs, one per peer")
     parser.add_argument("-o", "--output", default="rounds.png", help="the PNG to write")
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     logs = []
     for name in args.logs:
         path = Path(name)

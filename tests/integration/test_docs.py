@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from swarm_procs import env, wait_for_maddr
 
-from p2p_diloco.cli import run_bootstrap, run_peer
+from p2p_diloco.cli import evaluate, export, plot, run_bootstrap, run_peer
 from p2p_diloco.cli.common import make_parser, parse_config
 from p2p_diloco.cli.run_bootstrap import BootstrapConfig
 from p2p_diloco.config_loader import build
@@ -59,6 +59,14 @@ COVERAGE: list[tuple[str, str]] = [
     (r".*run_bootstrap --help", "tests/integration/test_docs.py::test_help_commands_run"),
     (r".*run_peer doctor .*|.*python -m p2p_diloco\.cli\.doctor .*",
      "tests/integration/test_docs.py::test_readme_local_swarm_and_preflight"),
+    # after training: the README's checkpoint and folder commands run here; the swarm variant and the plot
+    # run in the live-swarm test (same subcommands, loopback addresses)
+    (r".*run_peer (export|eval) (?!.*--initial-peers).*", "tests/integration/test_docs.py::test_readme_after_training_commands_run"),
+    (r".*run_peer (export|eval) .*--initial-peers .*",
+     "tests/integration/test_export_swarm.py::test_export_and_eval_from_a_live_swarm_and_its_checkpoints"),
+    (r".*run_peer export .*--push-to-hub .*", "tests/unit/test_export_eval.py::test_push_to_hub_uploads_the_folder"),
+    (r".*run_peer plot .*",
+     "tests/integration/test_export_swarm.py::test_export_and_eval_from_a_live_swarm_and_its_checkpoints"),
     (r".*run_peer .*", "tests/integration/test_peer_swarm.py::test_three_peers_train_fold_late_work_and_admit_a_joiner"),
     (r".*run_bootstrap .*", "tests/integration/test_docs.py::test_readme_local_swarm_and_preflight"),
     # deployment: the units' ExecStart lines and the image's ENTRYPOINT/CMD are parsed here; systemd and
@@ -118,8 +126,14 @@ def parse_cli(program: str, args: list[str]) -> object:
     args = [str(ROOT / a) if a.endswith((".yaml", ".toml")) and not Path(a).is_absolute() else a for a in args]
     if program == "run_peer" and args[:1] == ["doctor"]:
         args = args[1:]
+    if program == "run_peer" and args[:1] == ["plot"]:
+        return plot.build_parser().parse_args(args[1:])
     cls = PeerConfig if program == "run_peer" else BootstrapConfig
-    cfg, _ = parse_config(make_parser(program, "", cls), cls, args)
+    parser = make_parser(program, "", cls)
+    if program == "run_peer" and args[:1] in (["export"], ["eval"]):
+        parser = {"export": export, "eval": evaluate}[args[0]].build_parser()
+        args = args[1:]
+    cfg, _ = parse_config(parser, cls, args)
     return cfg
 
 
@@ -259,3 +273,46 @@ def test_readme_local_swarm_and_preflight(tmp_path: Path, capsys: pytest.Capture
         boot.terminate()
         boot.wait(30)
         out.close()
+
+
+def test_readme_after_training_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's export and eval commands that need no swarm, for real, on a checkpoint as run_peer writes
+    it (``ckpt`` and ``my-model`` mapped into a temporary folder); the push goes as far as the upload call."""
+    import torch
+    from huggingface_hub import HfApi
+    from transformers import AutoModelForCausalLM
+
+    from p2p_diloco.build import build_model_and_tokenizer
+    from p2p_diloco.checkpoint import save_checkpoint
+    from p2p_diloco.core.peer_state import OuterState
+    from p2p_diloco.models import model_fingerprint
+
+    cfg = build(PeerConfig, None, None, environ={})
+    _, model = build_model_and_tokenizer(cfg)
+    manifest = {"run_id": cfg.run.run_id, "fingerprint": model_fingerprint(model, cfg.model.model),
+                "model": cfg.model.model}
+    save_checkpoint(tmp_path / "ckpt", 3, OuterState(list(model.parameters()), device="cpu").state_tensors(), manifest)
+    uploads: list[dict] = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: None)
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: uploads.append(kw) or "commit")
+    commands = [c for d, c in ALL_COMMANDS if d == "README.md" and re.match(r"\S*run_peer (export|eval) ", c)
+                and "--initial-peers" not in c]
+    assert len(commands) >= 4
+    mapped = {"ckpt": str(tmp_path / "ckpt"), "my-model": str(tmp_path / "my-model")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on two shared cores: OpenMP's waits cost more than they bring
+    try:
+        for command in commands:
+            words = [mapped.get(w, w) for w in shlex.split(command)]
+            assert run_peer.main(words[1:]) == 0, command
+            out = capsys.readouterr().out
+            if words[1] == "eval" and "--json" in words:
+                assert json.loads(out)["epoch"] == 3
+            elif words[1] == "eval":
+                assert "at epoch 3 from checkpoint" in out and "perplexity" in out
+    finally:
+        torch.set_num_threads(threads)
+    assert [u["repo_id"] for u in uploads] == ["your-name/my-model"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "my-model")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters(), strict=True))

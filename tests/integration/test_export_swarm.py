@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hf_assets import corpus, make_bpe_tokenizer, make_hub_dataset
-from swarm_procs import FAST, SYNCED, events, start_bootstrap, start_peer, tail, wait_for
+from swarm_procs import FAST, SYNCED, env, events, kill_tree, start_peer, tail, wait_for, wait_for_maddr
 from transformers import AutoModelForCausalLM
 
 from p2p_diloco.build import build_model_and_tokenizer
@@ -28,22 +29,26 @@ from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.swarm import params_sha256
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Two threads on two shared cores: OpenMP's waits cost more than they bring (5x slower evals here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _logits(model: torch.nn.Module, vocab: int) -> torch.Tensor:
     ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return model.eval()(ids).logits
 
 
-def _stop(procs: dict[str, subprocess.Popen]) -> None:
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def start_bootstrap_process(tmp: Path) -> subprocess.Popen:
+    out = open(tmp / "bootstrap.out", "w")
+    return subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path",
+                             str(tmp / "bootstrap.id"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+                            stdout=out, stderr=subprocess.STDOUT, env=env())
 
 
 def _own_eval(tmp: Path, epoch: int) -> tuple[float, str]:
@@ -57,11 +62,12 @@ def _own_eval(tmp: Path, epoch: int) -> tuple[float, str]:
 @pytest.mark.slow
 def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    boot = start_bootstrap_process(tmp_path)  # starts while the assets are made
+    procs = {"boot": boot}
     tok = make_bpe_tokenizer(tmp_path / "tokenizer", corpus("train", 2000))
     hub = make_hub_dataset(tmp_path / "hub", corpus("train", 6000), corpus("eval", 200))
     run = [*FAST, "--run-id", "export-t", "--tokenizer", str(tok), "--dataset", f"hf:{hub}", "--virtual-shards", "2"]
-    boot, maddr = start_bootstrap(tmp_path)
-    procs = {"boot": boot}
+    maddr = wait_for_maddr(tmp_path / "bootstrap.out", boot)
     try:
         for name in ("a", "b"):
             tracking = ["--tensorboard-dir", str(tmp_path / "tb")] if name == "a" else []
@@ -77,8 +83,8 @@ def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
         live_eval = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert all(p.poll() is None for p in procs.values()), "a peer stopped while the swarm was read"
     finally:
-        _stop({k: v for k, v in procs.items() if k != "boot"})
-        _stop({"boot": boot})
+        for proc in procs.values():  # a lost machine: what was logged and checkpointed is all there is
+            kill_tree(proc)
 
     # the live export holds the swarm's parameters of its epoch: the checksum every member published
     info = json.loads((tmp_path / "live" / "p2p_diloco.json").read_text())
@@ -126,8 +132,10 @@ def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
     accumulator.Reload()
     rounds = events(tmp_path, "a", "round")
     logged = [e.value for e in accumulator.Scalars("train/loss")]
-    assert logged == pytest.approx([r["train_loss"] for r in rounds], rel=1e-6)
-    assert [e.value for e in accumulator.Scalars("round/group_size")] == [r["group_size"] for r in rounds]
+    # the tracker hears of a round just before its log line is written: a kill in between leaves one more
+    assert rounds and len(logged) - len(rounds) in (0, 1)
+    assert logged[:len(rounds)] == pytest.approx([r["train_loss"] for r in rounds], rel=1e-6)
+    assert [e.value for e in accumulator.Scalars("round/group_size")][:len(rounds)] == [r["group_size"] for r in rounds]
 
     # both peers' logs drawn as one picture
     png = tmp_path / "rounds.png"

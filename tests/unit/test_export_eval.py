@@ -26,6 +26,15 @@ from p2p_diloco.trainer import evaluate_model
 SMALL = ["--seq-len", "32", "--batch-size", "2", "--eval-batches", "2", "--warmup-steps", "1"]
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Two threads on two shared cores: OpenMP's waits cost more than they bring (5x slower evals here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def config(*flags: str) -> PeerConfig:
     cfg, _ = parse_config(make_parser("run_peer", "", PeerConfig), PeerConfig, list(flags))
     return cfg
