@@ -78,6 +78,11 @@ def plan(rounds: int, best: dict[str, tuple[float, float]], codecs: bool) -> lis
         dict(label="late-server", mode="late-server", workers=S.WORKERS, rounds=rounds, outer=d,
              speeds=S.SPEEDS),
     ]
+    # Settings that coincide with another run's are not run twice (the table shows both labels).
+    if tuple(sgd) == (1.0, 0.0):
+        runs = [r for r in runs if r["label"] != "outer-sgd"]
+    if tuple(d) == PAPER:
+        runs = [r for r in runs if r["label"] != "diloco-paper"]
     if codecs:
         runs += [dict(label=f"diloco-{c}", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=d,
                       compression=c, first_seed_only=True) for c in ("fp16", "int8", "4bit")]
@@ -162,7 +167,8 @@ def figures(by: dict[str, dict]) -> list[tuple[str, str, str, bool | None]]:
         rows.append(("DiLoCo k=4 / data parallel, equal compute", "<= 1.03", f"{ratio:.3f}", ratio <= 1.03))
         rows.append(("data-parallel bytes / DiLoCo bytes", f">= H = {d['local_steps']}", f"{comm:.1f}",
                      comm >= d["local_steps"]))
-    sgd, fed = by.get("outer-sgd"), by.get("fedavg")
+    fed = by.get("fedavg")
+    sgd = by.get("outer-sgd") or fed
     if d and sgd:
         name = (f"Nesterov (lr {d['outer_lr']:g}, mom {d['outer_momentum']:g}) vs outer SGD at its best lr "
                 f"({sgd['outer_lr']:g})")
@@ -185,7 +191,7 @@ def figures(by: dict[str, dict]) -> list[tuple[str, str, str, bool | None]]:
     if lp and ls:
         rows.append(("late arrivals (slow worker 2.5 rounds late): p2p rule vs server DN", "p2p not worse",
                      f"{_pm(lp)} vs {_pm(ls)}", lp["final_eval_loss"] <= ls["final_eval_loss"] + ls["std"]))
-    paper = by.get("diloco-paper")
+    paper = by.get("diloco-paper") or (d if d and (d["outer_lr"], d["outer_momentum"]) == PAPER else None)
     if d and paper:
         rows.append(("paper outer settings (0.7, 0.9) vs tuned, DiLoCo k=4", "(measure)",
                      f"{_pm(paper)} vs {_pm(d)}", None))
@@ -268,7 +274,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=S.ROUNDS)
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=1, help="processes (one torch thread each)")
-    parser.add_argument("--no-codecs", action="store_true", help="skip the fp16/int8/4bit runs")
+    parser.add_argument("--codecs", action="store_true", help="add fp16/int8/4bit DiLoCo runs (first seed only)")
     parser.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -276,7 +282,7 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.time()
     best = tuned()
-    runs = [r for r in plan(args.rounds, best, not args.no_codecs) if not args.only or r["label"] in args.only]
+    runs = [r for r in plan(args.rounds, best, args.codecs) if not args.only or r["label"] in args.only]
     jobs = [(r, s) for r in runs for s in (args.seeds[:1] if r.get("first_seed_only") else args.seeds)]
     jobs.sort(key=lambda j: -cost(j[0]))
     results: dict[str, list[dict]] = {r["label"]: [] for r in runs}
