@@ -1,12 +1,14 @@
-"""Convergence benchmark: the papers' comparisons at small scale, on the embedded corpus.
+"""Convergence benchmark: the papers' comparisons at small scale, with tuned outer settings.
 
-Runs the simulator's modes at equal total compute (rounds x H x k inner steps), writes
-``benchmarks/results/convergence.json``, a plot of eval loss against virtual time
-(``benchmarks/results/convergence.png``) and the table between the ``convergence`` markers of
-``BENCHMARKS.md``. Usage::
+Runs every table run over several seeds (``--jobs`` processes), with each mode at the outer lr and
+momentum its sweep found best (``benchmarks/results/convergence_sweep.json``, written by
+``benchmarks/convergence_sweep.py``; the paper's 0.7/0.9 where a sweep is missing), and writes
+``benchmarks/results/convergence.json``, ``convergence.png`` (replicas, equal per-worker steps),
+``convergence_time.png`` (modes against virtual time at speeds [1, 1, 1, 0.4]) and the section between the
+``convergence`` markers of ``BENCHMARKS.md``. Usage::
 
-    .venv/bin/python benchmarks/convergence.py            # full run (about 30 minutes on 2 CPU cores)
-    .venv/bin/python benchmarks/convergence.py --rounds 3 # a quick look
+    .venv/bin/python benchmarks/convergence.py --jobs 2        # the full tables (< 45 min on 2 CPU cores)
+    .venv/bin/python benchmarks/convergence.py --rounds 2 --seeds 0 --only single diloco   # a quick look
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,33 +29,111 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import convergence_setup as S  # noqa: E402
 from benchmarks.report import replace_section  # noqa: E402
-from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RunConfig, TrainConfig  # noqa: E402
-from p2p_diloco.simulate import SimConfig, run  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-SPEEDS = [1.0, 1.0, 1.0, 0.4]
-# (label, mode, compression)
-RUNS = [
-    ("ddp", "ddp", "none"),
-    ("diloco", "diloco", "none"),
-    ("fedavg", "fedavg", "none"),
-    ("async", "async", "none"),
-    ("async-dn", "async-dn", "none"),
-    ("eager", "eager", "none"),
-    ("diloco-fp16", "diloco", "fp16"),
-    ("diloco-int8", "diloco", "int8"),
-    ("diloco-4bit", "diloco", "4bit"),
-]
+PAPER = (0.7, 0.9)
 
 
-def config(local_steps: int, rounds: int, compression: str, seed: int) -> TrainConfig:
-    return TrainConfig(
-        model=ModelConfig("tiny", seq_len=128),
-        data=DataConfig(eval_batches=16),
-        inner=InnerConfig(batch_size=8, lr=1e-3, warmup_steps=20, total_steps=rounds * local_steps),
-        outer=OuterConfig(local_steps=local_steps, min_local_steps=2, compression=compression),
-        run=RunConfig(seed=seed),
+def tuned() -> dict[str, tuple[float, float]]:
+    """Best (outer lr, momentum) per mode from the sweep JSON; FedAvg-style outer SGD = best at momentum 0."""
+    out = {"diloco": PAPER, "eager": PAPER, "async-dn": PAPER, "sgd": (1.0, 0.0)}
+    path = RESULTS / "convergence_sweep.json"
+    if not path.exists():
+        return out
+    grids = json.loads(path.read_text())["grids"]
+    for mode in ("diloco", "eager", "async-dn"):
+        g = grids.get(f"{mode}-H{S.H}")
+        if g:
+            best = g["best"][mode]
+            out[mode] = (best["outer_lr"], best["outer_momentum"])
+    g = grids.get(f"diloco-H{S.H}")
+    if g:
+        sgd = [p for p in g["points"] if p["outer_momentum"] == 0.0]
+        if sgd:
+            b = min(sgd, key=lambda p: statistics.fmean(p["finals"]))
+            out["sgd"] = (b["outer_lr"], 0.0)
+    return out
+
+
+def plan(rounds: int, best: dict[str, tuple[float, float]], codecs: bool) -> list[dict]:
+    """The table's runs: label, mode, workers, rounds, outer settings, speeds, codec; costliest first."""
+    even = [1.0] * S.WORKERS
+    d, e, a, sgd = best["diloco"], best["eager"], best["async-dn"], best["sgd"]
+    runs = [
+        dict(label="single", mode="fedavg", workers=1, rounds=rounds, outer=(1.0, 0.0)),
+        dict(label="single-4x", mode="fedavg", workers=1, rounds=4 * rounds, outer=(1.0, 0.0)),
+        dict(label="ddp", mode="ddp", workers=S.WORKERS, rounds=rounds, outer=d),
+        dict(label="diloco-k1", mode="diloco", workers=1, rounds=rounds, outer=d),
+        dict(label="diloco-k2", mode="diloco", workers=2, rounds=rounds, outer=d),
+        dict(label="diloco", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=d, speeds=S.SPEEDS),
+        dict(label="diloco-k8", mode="diloco", workers=8, rounds=rounds, outer=d),
+        dict(label="diloco-paper", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=PAPER),
+        dict(label="outer-sgd", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=sgd),
+        dict(label="fedavg", mode="fedavg", workers=S.WORKERS, rounds=rounds, outer=(1.0, 0.0)),
+        dict(label="eager", mode="eager", workers=S.WORKERS, rounds=rounds, outer=e, speeds=even),
+        dict(label="async-dn", mode="async-dn", workers=S.WORKERS, rounds=rounds, outer=a, speeds=S.SPEEDS),
+        dict(label="late-p2p", mode="late-p2p", workers=S.WORKERS, rounds=rounds, outer=d, speeds=S.SPEEDS),
+        dict(label="late-server", mode="late-server", workers=S.WORKERS, rounds=rounds, outer=d,
+             speeds=S.SPEEDS),
+    ]
+    # Settings that coincide with another run's are not run twice (the table shows both labels).
+    if tuple(sgd) == (1.0, 0.0):
+        runs = [r for r in runs if r["label"] != "outer-sgd"]
+    if tuple(d) == PAPER:
+        runs = [r for r in runs if r["label"] != "diloco-paper"]
+    if codecs:
+        runs += [dict(label=f"diloco-{c}", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=d,
+                      compression=c, first_seed_only=True) for c in ("fp16", "int8", "4bit")]
+    return runs
+
+
+def cost(run: dict) -> int:
+    return run["workers"] * run["rounds"]
+
+
+def one(job: tuple[dict, int]) -> dict:
+    """Run one (run, seed) in a worker process."""
+    from p2p_diloco.simulate import SimConfig, run
+    from p2p_diloco.simulate.late import run_late_arrivals
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    spec, seed = job
+    lr, mom = spec["outer"]
+    cfg = S.config(S.H, spec["rounds"], seed, outer_lr=lr, outer_momentum=mom,
+                   compression=spec.get("compression", "none"))
+    speeds = list(spec.get("speeds") or [1.0] * spec["workers"])
+    t0 = time.time()
+    if spec["mode"].startswith("late-"):
+        res = run_late_arrivals(cfg, SimConfig("diloco", spec["workers"], spec["rounds"], speeds),
+                                spec["mode"].removeprefix("late-"))
+    else:
+        batched = spec["mode"] in ("diloco", "fedavg", "eager") and spec["workers"] > 1
+        res = run(cfg, SimConfig(spec["mode"], spec["workers"], spec["rounds"], speeds, batched=batched))
+    out = res.as_dict()
+    out.update(label=spec["label"], outer_lr=lr, outer_momentum=mom, wall_s=time.time() - t0)
+    return out
+
+
+def summarize(spec: dict, per_seed: list[dict]) -> dict:
+    finals = [r["final_eval_loss"] for r in per_seed]
+    first = per_seed[0]
+    return dict(
+        label=spec["label"], mode=spec["mode"], workers=spec["workers"], rounds=spec["rounds"],
+        outer_lr=spec["outer"][0], outer_momentum=spec["outer"][1], speeds=first["speeds"],
+        compression=first["compression"], local_steps=first["local_steps"],
+        final_eval_loss=statistics.fmean(finals), std=statistics.stdev(finals) if len(finals) > 1 else 0.0,
+        per_seed_final=finals, seeds=[r["seed"] for r in per_seed],
+        initial_eval_loss=first["initial_eval_loss"],
+        total_inner_steps=first["total_inner_steps"], total_bytes_sent_per_worker=first["total_bytes_sent_per_worker"],
+        virtual_time_s=first["virtual_time_s"],
+        # Mean curve over seeds (records line up: same rounds per seed).
+        rounds_mean=[dict(virtual_time_s=recs[0]["virtual_time_s"], inner_steps=recs[0]["inner_steps"],
+                          eval_loss=statistics.fmean(r["eval_loss"] for r in recs))
+                     for recs in zip(*[r["rounds"] for r in per_seed], strict=True)],
+        wall_s=sum(r["wall_s"] for r in per_seed),
     )
 
 
@@ -68,60 +150,82 @@ def time_to_reach(rounds: list[dict], target: float) -> float | None:
     return None
 
 
-def figures(by_label: dict[str, dict]) -> list[tuple[str, str, str, bool | None]]:
-    """(figure, target, measured, met) rows."""
+def _pm(r: dict) -> str:
+    return f"{r['final_eval_loss']:.4f} ± {r['std']:.4f}"
+
+
+def figures(by: dict[str, dict]) -> list[tuple[str, str, str, bool | None]]:
+    """(figure, target, measured, met) rows; every loss is the mean over seeds."""
     rows: list[tuple[str, str, str, bool | None]] = []
-    d, ddp = by_label.get("diloco"), by_label.get("ddp")
+    d, single, ddp = by.get("diloco"), by.get("single"), by.get("ddp")
+    if d and single:
+        rows.append(("DiLoCo k=4 vs one worker, equal per-worker steps", "DiLoCo lower",
+                     f"{_pm(d)} vs {_pm(single)}", d["final_eval_loss"] < single["final_eval_loss"]))
     if d and ddp:
         ratio = d["final_eval_loss"] / ddp["final_eval_loss"]
         comm = ddp["total_bytes_sent_per_worker"] / max(1, d["total_bytes_sent_per_worker"])
-        rows.append(("diloco / ddp final eval loss", "<= 1.00", f"{ratio:.3f}", ratio <= 1.0))
-        rows.append(("ddp bytes / diloco bytes", f">= H = {d['local_steps']}", f"{comm:.1f}",
+        rows.append(("DiLoCo k=4 / data parallel, equal compute", "<= 1.03", f"{ratio:.3f}", ratio <= 1.03))
+        rows.append(("data-parallel bytes / DiLoCo bytes", f">= H = {d['local_steps']}", f"{comm:.1f}",
                      comm >= d["local_steps"]))
-    if d and by_label.get("fedavg"):
-        f = by_label["fedavg"]["final_eval_loss"]
-        rows.append(("diloco vs fedavg final eval loss", "diloco lower", f"{d['final_eval_loss']:.4f} vs {f:.4f}",
-                     d["final_eval_loss"] < f))
-    if d and by_label.get("async-dn"):
-        t_sync = d["virtual_time_s"]
-        t_dn = time_to_reach(by_label["async-dn"]["rounds"], d["final_eval_loss"])
-        measured = "never reached" if t_dn is None else f"{t_dn / t_sync:.2f}"
-        rows.append(("async-dn time to diloco's final loss / diloco time", "<= 0.8", measured,
-                     None if t_dn is None else t_dn / t_sync <= 0.8))
-    if d and by_label.get("async"):
-        a = by_label["async"]["final_eval_loss"]
-        rows.append(("naive async vs diloco final loss (equal compute)", "async worse",
-                     f"{a:.4f} vs {d['final_eval_loss']:.4f}", a > d["final_eval_loss"]))
-    if d and by_label.get("eager"):
-        rel = by_label["eager"]["final_eval_loss"] / d["final_eval_loss"] - 1
-        rows.append(("eager vs diloco final loss", "within 2%", f"{rel * 100:+.2f}%", abs(rel) <= 0.02))
-    q = by_label.get("diloco-4bit")
+    fed = by.get("fedavg")
+    sgd = by.get("outer-sgd") or fed
+    if d and sgd:
+        name = (f"Nesterov (lr {d['outer_lr']:g}, mom {d['outer_momentum']:g}) vs outer SGD at its best lr "
+                f"({sgd['outer_lr']:g})")
+        if fed:
+            name += f"; FedAvg (lr 1): {_pm(fed)}"
+        rows.append((name, "Nesterov lower", f"{_pm(d)} vs {_pm(sgd)}",
+                     d["final_eval_loss"] < sgd["final_eval_loss"]))
+    e = by.get("eager")
+    if d and e:
+        rel = e["final_eval_loss"] / d["final_eval_loss"] - 1
+        rows.append(("eager vs DiLoCo final loss", "within 2%", f"{rel * 100:+.2f}%", abs(rel) <= 0.02))
+    a = by.get("async-dn")
+    if d and a:
+        t_dn = time_to_reach(a["rounds_mean"], d["final_eval_loss"])
+        measured = "never reached" if t_dn is None else f"{t_dn / d['virtual_time_s']:.2f}"
+        rows.append(("DN+DyLU time to sync DiLoCo's final loss / sync time, speeds [1,1,1,0.4]", "<= 0.8",
+                     f"{measured} (DN final {a['final_eval_loss']:.4f})",
+                     None if t_dn is None else t_dn / d["virtual_time_s"] <= 0.8))
+    lp, ls = by.get("late-p2p"), by.get("late-server")
+    if lp and ls:
+        rows.append(("late arrivals (slow worker 2.5 rounds late): p2p rule vs server DN", "p2p not worse",
+                     f"{_pm(lp)} vs {_pm(ls)}", lp["final_eval_loss"] <= ls["final_eval_loss"] + ls["std"]))
+    paper = by.get("diloco-paper") or (d if d and (d["outer_lr"], d["outer_momentum"]) == PAPER else None)
+    if d and paper:
+        rows.append(("paper outer settings (0.7, 0.9) vs tuned, DiLoCo k=4", "(measure)",
+                     f"{_pm(paper)} vs {_pm(d)}", None))
+    q = by.get("diloco-4bit")
     if d and q:
-        rel = q["final_eval_loss"] / d["final_eval_loss"] - 1
-        frac = q["total_bytes_sent_per_worker"] / d["total_bytes_sent_per_worker"]
-        rows.append(("4bit vs none final loss", "within 1%", f"{rel * 100:+.2f}%", abs(rel) <= 0.01))
-        rows.append(("4bit bytes / fp32 bytes", "1/8 = 0.125", f"{frac:.4f}", frac <= 0.125))
+        rel = q["final_eval_loss"] / d["per_seed_final"][0] - 1
+        rows.append(("4bit vs none final loss (seed 0)", "within 1%", f"{rel * 100:+.2f}%", abs(rel) <= 0.01))
     return rows
 
 
 def write_report(payload: dict) -> None:
-    by_label = {r["label"]: r for r in payload["runs"]}
+    by = {r["label"]: r for r in payload["runs"]}
+    t = payload["tuned"]
     lines = [
-        f"Tiny Llama ({payload['params']:,} parameters) on the embedded corpus, k = {payload['workers']}, "
-        f"H = {payload['local_steps']}, {payload['rounds']} rounds, speeds {payload['speeds']}, "
-        f"seeds {payload['seeds']} (median), equal total compute. Measured on {payload['hardware']} "
-        f"in {payload['wall_s'] / 60:.0f} min.",
+        f"Tiny Llama ({payload['params']:,} parameters), batch {S.BATCH} x {S.SEQ_LEN} tokens per worker step, "
+        f"embedded corpus, H = {S.H}, {payload['rounds']} rounds = {payload['rounds'] * S.H} inner steps per worker, "
+        f"inner AdamW lr {S.INNER_LR:g} (warmup {S.WARMUP}, cosine over the run), seeds {payload['seeds']} "
+        f"(mean ± std). Outer settings from the sweep at this H and k = 4 (lr, momentum): diloco {t['diloco']}, "
+        f"eager {t['eager']}, async-dn {t['async-dn']}, outer SGD {t['sgd']}. Measured on {payload['hardware']} "
+        f"in {payload['wall_s'] / 60:.0f} min ({payload['jobs']} processes).",
         "",
-        "| run | final eval loss | virtual time (s) | MB sent per worker | inner steps |",
-        "| --- | --- | --- | --- | --- |",
+        "| run | k | outer lr, mom | final eval loss | inner steps (all workers) | virtual time (s) "
+        "| MB sent per worker |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in payload["runs"]:
-        lines.append(f"| {r['label']} | {r['final_eval_loss']:.4f} | {r['virtual_time_s']:.0f} | "
-                     f"{r['total_bytes_sent_per_worker'] / 1e6:.2f} | {r['total_inner_steps']} |")
+        lines.append(f"| {r['label']} | {r['workers']} | {r['outer_lr']:g}, {r['outer_momentum']:g} | {_pm(r)} | "
+                     f"{r['total_inner_steps']} | {r['virtual_time_s']:.0f} | "
+                     f"{r['total_bytes_sent_per_worker'] / 1e6:.2f} |")
     lines += ["", "| figure | target | measured | met |", "| --- | --- | --- | --- |"]
-    for name, target, measured, met in figures(by_label):
+    for name, target, measured, met in figures(by):
         lines.append(f"| {name} | {target} | {measured} | {'yes' if met else 'no' if met is False else '-'} |")
-    lines += ["", "![eval loss against virtual time](benchmarks/results/convergence.png)"]
+    lines += ["", "![replicas at equal per-worker steps](benchmarks/results/convergence.png)",
+              "![modes against virtual time](benchmarks/results/convergence_time.png)"]
     replace_section(ROOT / "BENCHMARKS.md", "convergence", "\n".join(lines))
 
 
@@ -131,61 +235,79 @@ def plot(payload: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    by = {r["label"]: r for r in payload["runs"]}
+
+    def curve(ax, r: dict, x: str, label: str) -> None:
+        xs = [0.0] + [p[x] / (r["workers"] if x == "inner_steps" else 1) for p in r["rounds_mean"]]
+        ys = [r["initial_eval_loss"]] + [p["eval_loss"] for p in r["rounds_mean"]]
+        ax.plot(xs, ys, marker=".", label=label)
+
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in payload["runs"]:
-        xs = [0.0] + [x["virtual_time_s"] for x in r["rounds"]]
-        ys = [r["initial_eval_loss"]] + [x["eval_loss"] for x in r["rounds"]]
-        ax.plot(xs, ys, label=r["label"], marker=".")
-    ax.set_xlabel("virtual time (s)")
-    ax.set_ylabel("eval loss")
-    ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
-    ax.set_title(f"k={payload['workers']}, H={payload['local_steps']}, speeds {payload['speeds']}")
-    ax.legend()
+    for label in ("single", "single-4x", "ddp", "diloco-k1", "diloco-k2", "diloco", "diloco-k8", "diloco-paper"):
+        if label in by:
+            curve(ax, by[label], "inner_steps", f"{label} (k={by[label]['workers']})")
+    ax.set_xlabel("inner steps per worker (ddp: steps of a k-times batch)")
+    ax.set_ylabel("eval loss (mean over seeds)")
+    ax.set_ylim(top=3.2)
+    ax.set_title(f"replicas and baselines, H={S.H}")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS / "convergence.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label in ("diloco", "eager", "async-dn", "late-p2p", "late-server", "ddp"):
+        if label in by:
+            curve(ax, by[label], "virtual_time_s", label)
+    ax.set_xlabel("virtual time (s), speeds [1, 1, 1, 0.4] (eager: all 1)")
+    ax.set_ylabel("eval loss (mean over seeds)")
+    ax.set_ylim(top=3.2)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "convergence_time.png", dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--local-steps", type=int, default=20)
-    parser.add_argument("--seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--rounds", type=int, default=S.ROUNDS)
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=1, help="processes (one torch thread each)")
+    parser.add_argument("--codecs", action="store_true", help="add fp16/int8/4bit DiLoCo runs (first seed only)")
     parser.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(1)
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    runs = []
-    for label, mode, compression in RUNS:
-        if args.only and label not in args.only:
-            continue
-        per_seed = []
-        for seed in args.seeds:
-            cfg = config(args.local_steps, args.rounds, compression, seed)
-            t0 = time.time()
-            res = run(cfg, SimConfig(mode, len(SPEEDS), args.rounds, list(SPEEDS))).as_dict()
-            res["wall_s"] = time.time() - t0
-            per_seed.append(res)
-            print(f"{label:>12} seed {seed}: {res['initial_eval_loss']:.4f} -> {res['final_eval_loss']:.4f} "
-                  f"({res['wall_s']:.0f} s)", flush=True)
-        best = sorted(per_seed, key=lambda r: r["final_eval_loss"])[len(per_seed) // 2]
-        best = dict(best, label=label, final_eval_loss=statistics.median(r["final_eval_loss"] for r in per_seed),
-                    per_seed_final=[r["final_eval_loss"] for r in per_seed])
-        runs.append(best)
+    best = tuned()
+    runs = [r for r in plan(args.rounds, best, args.codecs) if not args.only or r["label"] in args.only]
+    jobs = [(r, s) for r in runs for s in (args.seeds[:1] if r.get("first_seed_only") else args.seeds)]
+    jobs.sort(key=lambda j: -cost(j[0]))
+    results: dict[str, list[dict]] = {r["label"]: [] for r in runs}
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(one, j): j for j in jobs}
+        for fut in futures:
+            res = fut.result()
+            results[res["label"]].append(res)
+            print(f"{res['label']:>13} seed {res['seed']}: {res['initial_eval_loss']:.4f} -> "
+                  f"{res['final_eval_loss']:.4f} ({res['wall_s']:.0f} s)", flush=True)
+    summaries = [summarize(r, sorted(results[r["label"]], key=lambda x: x["seed"])) for r in runs]
     from p2p_diloco.models import build_model, count_parameters
 
     payload = {
-        "workers": len(SPEEDS), "speeds": SPEEDS, "local_steps": args.local_steps, "rounds": args.rounds,
-        "seeds": args.seeds, "params": count_parameters(build_model("tiny", 259, 128)),
-        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, CPU",
-        "wall_s": time.time() - started, "runs": runs,
+        "workers": S.WORKERS, "speeds": S.SPEEDS, "local_steps": S.H, "rounds": args.rounds, "seeds": args.seeds,
+        "batch": S.BATCH, "seq_len": S.SEQ_LEN, "inner_lr": S.INNER_LR, "warmup": S.WARMUP,
+        "params": count_parameters(build_model(S.MODEL, 259, S.SEQ_LEN)), "tuned": best, "jobs": args.jobs,
+        "hardware": f"{platform.processor() or platform.machine()}, {args.jobs} processes x 1 thread, CPU",
+        "wall_s": time.time() - started, "runs": summaries,
+        "per_seed": {k: v for k, v in results.items()},
     }
     (RESULTS / "convergence.json").write_text(json.dumps(payload, indent=1))
     plot(payload)
     write_report(payload)
-    for row in figures({r["label"]: r for r in runs}):
+    for row in figures({r["label"]: r for r in summaries}):
         print(" | ".join(str(x) for x in row))
     return 0
 

@@ -58,3 +58,20 @@ def test_single_worker_and_replica_baselines_run() -> None:
     for k in (1, 2):
         rep = run(cfg, SimConfig("diloco", workers=k, rounds=2))
         assert rep.total_inner_steps == 4 * k and math.isfinite(rep.final_eval_loss)
+
+
+def test_late_arrival_rules_run_on_the_same_schedule() -> None:
+    from p2p_diloco.simulate.late import run_late_arrivals
+
+    cfg = TrainConfig(model=ModelConfig("tiny", seq_len=32), data=DataConfig(eval_batches=1),
+                      inner=InnerConfig(batch_size=2, lr=2e-3, warmup_steps=1),
+                      outer=OuterConfig(local_steps=2, min_local_steps=1, lr=0.5, momentum=0.5),
+                      run=RunConfig(seed=0))
+    sim = SimConfig("diloco", workers=2, rounds=3, speeds=[1.0, 0.5])
+    p2p = run_late_arrivals(cfg, sim, "p2p")
+    server = run_late_arrivals(cfg, sim, "server")
+    # Worker 1 hands in at round 2 only (its task takes two rounds): 3 + 1 tasks of 2 steps.
+    assert p2p.total_inner_steps == server.total_inner_steps == 2 * (3 + 1)
+    assert [r.virtual_time_s for r in p2p.rounds] == [2.0, 4.0, 6.0]
+    assert p2p.final_eval_loss != server.final_eval_loss
+    assert all(math.isfinite(r.eval_loss) for r in p2p.rounds + server.rounds)
