@@ -7,9 +7,13 @@ each with a fix:
   p2p_diloco (the usual protobuf clash);
 - the device and dtype training will use;
 - free memory and disk against what the model needs;
-- whether the p2p daemon starts on the given addresses (a real hivemind DHT, as ``run_peer`` starts it);
+- whether the p2p daemon starts on the given addresses (a real hivemind DHT, as ``run_peer`` starts it), and
+  the ports it got;
+- whether the averager starts and publishes state as ``run_peer``'s does, in this peer's mode (client mode
+  included: such a peer serves no state);
 - whether each initial peer answers, one by one, and, through one that does, who trains the run and
-  whether their model is ours (a mismatch makes ``run_peer`` refuse to start);
+  whether their model is ours (a mismatch makes ``run_peer`` refuse to start), and for a client-mode peer
+  whether a full peer is there to average through;
 - whether other peers can dial this one, or it needs ``--client-mode`` or a relay.
 
 Exit code 0 when joining would work (warnings included), 1 when it would fail, 2 for a usage error.
@@ -255,11 +259,12 @@ def probe_initial_peer(swarm, maddr: str) -> tuple[Check, list | None]:
     return _peer_check(maddr, outcome, info, swarm.startup_timeout_s, swarm.dht_wait_timeout_s), records
 
 
-def classify_swarm(records: Sequence, run_id: str, fingerprint: str | None) -> Check:
+def classify_swarm(records: Sequence, run_id: str, fingerprint: str | None, client_mode: bool = False) -> Check:
     """What the run looks like from here: who trains it, at which epoch, and whether our model matches.
 
     ``fingerprint`` is ours (``None`` when it cannot be known without loading weights). A run whose peers
-    all train another model refuses this peer at start, as ``SwarmSession`` does.
+    all train another model refuses this peer at start, as ``SwarmSession`` does. A client-mode peer also
+    needs a full peer of our model online: only full peers reduce parts and serve state.
     """
     if not records:
         return Check("swarm", "warn", f"no peer of run {run_id!r} has published progress recently: this peer "
@@ -267,14 +272,81 @@ def classify_swarm(records: Sequence, run_id: str, fingerprint: str | None) -> C
                      "if the run should be active, check --run-id against the organisers' line")
     epoch = max(r.epoch for r in records)
     seen = f"{len(records)} peer(s) of run {run_id!r}, newest epoch {epoch}"
-    if fingerprint is None:
-        return Check("swarm", "ok", seen)
-    if all(r.fingerprint != fingerprint for r in records):
+    if fingerprint is not None and all(r.fingerprint != fingerprint for r in records):
         theirs = ", ".join(sorted({r.fingerprint for r in records}))
         return Check("swarm", "fail", f"{seen}; they train a model with fingerprint {theirs}, ours is "
                                       f"{fingerprint}, so run_peer would refuse to start",
                      "use the run's --model, --seq-len and --tokenizer, or another --run-id for a separate run")
-    return Check("swarm", "ok", f"{seen}; same model as ours ({fingerprint})")
+    full = [r for r in records if not r.client_mode and (fingerprint is None or r.fingerprint == fingerprint)]
+    if client_mode and not full:
+        return Check("swarm", "warn", f"{seen}, but none of them is a full peer of our model: a client-mode peer "
+                                      "averages only in a group with one (it sends its parts to full peers, "
+                                      "which reduce them) and downloads state only from one, so it would "
+                                      "train alone until one comes",
+                     "start when the run's full peers are online, or make this peer reachable (see the "
+                     "reachability line) and drop --client-mode")
+    if fingerprint is None:
+        return Check("swarm", "ok", seen)
+    mode = f", {len(full)} of them full peers to average through" if client_mode else ""
+    return Check("swarm", "ok", f"{seen}; same model as ours ({fingerprint}){mode}")
+
+
+def check_averager(swarm, dht, fingerprint: str | None) -> Check:
+    """Start the averager as ``run_peer`` does, in this configuration's mode, and publish a state as a peer
+    does after each round; then stop it. This is ``run_peer``'s own start-up, not a guess about it."""
+    import torch
+
+    from p2p_diloco.swarm.averager import RoundAverager
+    from p2p_diloco.swarm.state import StateServer
+
+    template = [torch.zeros(16)]
+    try:
+        averager = RoundAverager(template, dht, swarm, fingerprint=fingerprint or "0" * 16)
+    except Exception as e:
+        return Check("averager", "fail", f"did not start: {type(e).__name__}: {e}",
+                     "run the doctor with --verbose and report the log with the flags you used")
+    try:
+        StateServer(averager).publish(template, template, 0)
+        serving = averager.allow_state_sharing
+        # A full peer's announcement must reach the DHT; waiting for it also keeps the averager alive until
+        # the DHT process has taken its request (a request left behind by a stopped averager crashes it).
+        announced = serving and _announced(averager, timeout=swarm.dht_wait_timeout_s)
+    except Exception as e:
+        return Check("averager", "fail", f"cannot publish its state: {type(e).__name__}: {e}",
+                     "run the doctor with --verbose and report the log with the flags you used")
+    finally:
+        averager.shutdown()
+    if swarm.client_mode:
+        if serving:
+            return Check("averager", "fail", "client mode, yet it offers its state to joiners, who cannot dial it",
+                         "report this with the flags you used")
+        return Check("averager", "ok", "client mode: started; it sends its parts to full peers, which reduce "
+                                       "them, downloads state from them, and serves none")
+    if not announced:
+        return Check("averager", "warn", f"started, but its state announcement did not reach the DHT within "
+                                         f"{swarm.dht_wait_timeout_s:g} s, so joiners would not find it",
+                     "the machine may be overloaded; raise --dht-wait-timeout-s")
+    return Check("averager", "ok", "started; it reduces a share of each round and serves its state to joiners")
+
+
+def _announced(averager, timeout: float) -> bool:
+    """Whether ``averager``'s offer to serve state is visible in its DHT, polled for up to ``timeout`` s."""
+    import time
+
+    key, me = f"{averager.prefix}.all_averagers", averager.peer_id.to_bytes()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = averager.dht.get(key, latest=True)
+        if found is not None and isinstance(found.value, dict) and me in found.value:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _listening(maddrs: Sequence[str]) -> str:
+    """The addresses the daemon really listens on (ports chosen for ``/tcp/0`` included), without /p2p/ID."""
+    shown = sorted({a.split("/p2p/")[0] for a in maddrs if "/p2p-circuit" not in a})
+    return ", ".join(shown) or "no address"
 
 
 def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
@@ -294,10 +366,10 @@ def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
                       "choose an --identity-path in a folder you can write to"),
                 Check("initial peers", "warn", "not checked: the daemon did not start")]
     try:
-        checks = [Check("p2p daemon", "ok", f"started as {dht.peer_id}, listening on "
-                                            f"{', '.join(cfg.swarm.host_maddrs)}")]
-        reachability = classify_reachability(visible_maddrs(dht, latest=True), cfg.swarm.initial_peers,
-                                             cfg.swarm.client_mode)
+        visible = visible_maddrs(dht, latest=True)
+        checks = [Check("p2p daemon", "ok", f"started as {dht.peer_id}, listening on {_listening(visible)}"),
+                  check_averager(cfg.swarm, dht, fingerprint)]
+        reachability = classify_reachability(visible, cfg.swarm.initial_peers, cfg.swarm.client_mode)
     finally:
         dht.shutdown()
     probed = [probe_initial_peer(cfg.swarm, maddr) for maddr in cfg.swarm.initial_peers]
@@ -311,7 +383,7 @@ def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
         checks += [dataclasses.replace(c, status="warn") if c.status == "fail" else c for c in peers]
         records = next((r for _, r in probed if r is not None), None)
         if records is not None:
-            checks.append(classify_swarm(records, cfg.run.run_id, fingerprint))
+            checks.append(classify_swarm(records, cfg.run.run_id, fingerprint, cfg.swarm.client_mode))
     else:
         checks.append(Check("initial peers", "ok", "none given: this peer would start a new swarm"))
     return checks + [reachability]

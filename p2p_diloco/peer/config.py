@@ -20,3 +20,9 @@ class PeerConfig(TrainConfig):
         super().__post_init__()
         # One run id for both layers: it names the data seed, the DHT keys and the matchmaking prefix.
         self.swarm.run_id = self.run.run_id
+        if self.swarm.client_mode and not self.swarm.initial_peers:
+            raise ValueError(
+                "swarm.client_mode: a client-mode peer cannot start a swarm (nobody can dial it, and it reduces "
+                "no parts for others); pass --initial-peers of a running swarm with full peers, or leave "
+                "--client-mode off on the swarm's first peer"
+            )

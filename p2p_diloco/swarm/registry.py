@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,12 +18,26 @@ from hivemind.averaging.group_info import GroupInfo
 
 from p2p_diloco.swarm.runner import STATUS_SUFFIX
 
+logger = logging.getLogger(__name__)
+
 
 class GroupRegistryMixin:
     """Mixed into ``RoundAverager`` ahead of hivemind's ``DecentralizedAverager``."""
 
     _running_groups: dict[bytes, Any]
     _pending_groups_registered: asyncio.Event
+
+    def shutdown(self) -> None:
+        """hivemind's shutdown, quiet when the averager process has stopped already.
+
+        A SIGTERM sent to the whole process group (systemd, ``docker stop`` with an init, a terminal's
+        Ctrl+C) reaches the averager process too, and it may be gone before the host's own shutdown runs;
+        hivemind logs that as an error with a traceback, which here is the normal way to stop.
+        """
+        if not self.is_alive():  # type: ignore[attr-defined]
+            logger.debug("The averager process had stopped already")
+            return
+        super().shutdown()  # type: ignore[misc]
 
     async def _shutdown(self, timeout: float | None) -> None:
         """hivemind's shutdown, given the runners it expects: our registry holds futures of runners (see

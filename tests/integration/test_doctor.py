@@ -43,14 +43,19 @@ def test_doctor_checks_each_initial_peer_on_loopback(tmp_path: Path, capsys: pyt
             # the dead address first: a daemon that reached the good one could not tell them apart
             mixed = _doctor(*LOOPBACK, "--initial-peers", dead, good)
             only_dead = _doctor_here(capsys, *LOOPBACK, "--initial-peers", dead)
+            client = _doctor_here(capsys, *LOOPBACK, "--client-mode", "true", "--initial-peers", good)
         finally:
             boot.terminate()
             boot.wait(30)
 
     out = mixed.stdout
     assert mixed.returncode == 0, out + mixed.stderr
-    for name in ("packages", "device", "model", "memory", "disk", "p2p daemon", "reachability"):
+    for name in ("packages", "device", "model", "memory", "disk", "p2p daemon", "averager", "reachability"):
         assert _line(out, "[ok  ] " + name), name
+    # the port the daemon got, not the /tcp/0 it was asked for
+    daemon = _line(out, "[ok  ] p2p daemon")
+    assert "listening on /ip4/127.0.0.1/tcp/" in daemon and "/tcp/0" not in daemon, daemon
+    assert "serves its state" in _line(out, "[ok  ] averager")
     assert "cpu" in _line(out, "[ok  ] device")
     assert "837,120 parameters" in _line(out, "[ok  ] model")
     assert _line(out, f"[ok  ] initial peer {good}").endswith("answered")
@@ -67,6 +72,21 @@ def test_doctor_checks_each_initial_peer_on_loopback(tmp_path: Path, capsys: pyt
     assert _line(out, "       fix: is that peer running?")
     assert "none of the initial peers answered" in _line(out, "[FAIL] initial peers")
     assert out.rstrip().splitlines()[-1].startswith("result: joining would fail (2 problems)")
+
+    # client mode, checked for real: the averager starts as run_peer's does and serves no state
+    code, out = client
+    assert code == 0, out
+    assert "client mode" in _line(out, "[ok  ] averager") and "serves none" in _line(out, "[ok  ] averager")
+    assert "client mode" in _line(out, "[ok  ] reachability")
+    assert out.rstrip().splitlines()[-1].startswith("result: ready to join")
+
+
+def test_doctor_refuses_client_mode_without_initial_peers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_peer.main(["doctor", *LOOPBACK, "--client-mode", "true"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("run_peer doctor: error: --client-mode") and "--initial-peers" in err[0]
 
 
 @pytest.mark.slow
@@ -158,3 +178,13 @@ def test_swarm_decisions_and_our_fingerprint() -> None:
     assert other.status == "fail" and "--model" in other.fix
     assert doctor.classify_swarm([record("a", 3, "f" * 16)], "r", None).status == "ok"
     assert doctor.classify_swarm([], "r", ours).status == "warn"
+
+    # a client-mode peer needs a full peer of its model: only full peers reduce parts and serve state
+    def client(peer: str, epoch: int, fingerprint: str) -> PeerProgress:
+        return PeerProgress(peer, epoch, 0, 1.0, 1.0, 1.0, fingerprint, 0.0, True, 0.0)
+
+    alone = doctor.classify_swarm([client("a", 3, ours), record("b", 3, "f" * 16)], "r", ours, client_mode=True)
+    assert alone.status == "warn" and "full peer" in alone.detail and "--client-mode" in alone.fix
+    assert doctor.classify_swarm([client("a", 3, ours)], "r", ours, client_mode=False).status == "ok"
+    through = doctor.classify_swarm([client("a", 3, ours), record("b", 3, ours)], "r", ours, client_mode=True)
+    assert through.status == "ok" and "1 of them full" in through.detail
