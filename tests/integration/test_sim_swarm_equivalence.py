@@ -60,10 +60,11 @@ def test_one_fault_schedule_gives_the_same_outcomes_and_parameters_in_simulator_
     assert result.outcomes == {ids[i]: swarm[n] for i, n in enumerate("abc")}
 
     # Same parameters: the peers' last checkpoints (epoch 4) against the simulated workers' anchors. Only the
-    # summation order of the all-reduce differs (parts reduced across processes), so they agree to rounding.
+    # summation order of the all-reduce differs (parts reduced across processes), so they agree to rounding
+    # (seen: 9.5e-7 at most, parameters up to 1.1).
     for worker, name in zip(simulation.workers, "abc", strict=True):
         ck = load_latest(tmp_path / f"ck-{name}")
         assert ck is not None and ck.epoch == ROUNDS == worker.state.epoch
         for i, anchor in enumerate(worker.state.anchors):
             real = ck.tensors[f"param.{i}"]
-            assert torch.allclose(real, anchor, rtol=0, atol=1e-4), (name, i, float((real - anchor).abs().max()))
+            assert torch.allclose(real, anchor, rtol=0, atol=1e-5), (name, i, float((real - anchor).abs().max()))
