@@ -96,6 +96,15 @@ class InnerTrainer:
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step_count = 0
 
+    def resume_at(self, step: int) -> None:
+        """Continue a run at inner step ``step`` (from a checkpoint): the learning-rate schedule stands where
+        it stood then. Optimizer moments start fresh (they are not checkpointed)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        for _ in range(step - self.step_count):
+            self.scheduler.step()
+        self.step_count = max(self.step_count, step)
+
     def parameters(self) -> list[torch.Tensor]:
         """The model's live parameter tensors, in a fixed order shared by every peer of the run."""
         return [p for p in self.model.parameters()]

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.cli.common import Parser, usage_error
+from p2p_diloco.core.rounds import Outcome
 
 PROG = "run_peer plot"
-OUTCOME_COLORS = {"averaged": "tab:green", "folded_late": "tab:blue", "resynced": "tab:orange",
-                  "own_only": "tab:purple", "skipped": "tab:red"}
+OUTCOME_COLORS = {Outcome.AVERAGED.value: "tab:green", Outcome.FOLDED_LATE.value: "tab:blue",
+                  Outcome.RESYNCED.value: "tab:orange", Outcome.OWN_ONLY.value: "tab:purple",
+                  Outcome.SKIPPED.value: "tab:red"}
 
 
 @dataclass

@@ -18,23 +18,23 @@ import importlib
 import logging
 import signal
 import sys
-import time
 from collections.abc import Sequence
 
 from p2p_diloco.build import build_local, build_model_and_tokenizer
-from p2p_diloco.checkpoint import CheckpointError, load_latest, save_checkpoint
+from p2p_diloco.checkpoint import CheckpointError, load_latest
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.config_loader import to_dict
-from p2p_diloco.data.loader import DataPosition
 from p2p_diloco.data.sources import DataSourceError
 from p2p_diloco.models import ModelLoadError, count_parameters, model_fingerprint
 from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay
 from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingError
 from p2p_diloco.peer.config import PeerConfig
-from p2p_diloco.peer.faults import FaultPlan
+from p2p_diloco.peer.faults import NO_FAULTS, FaultPlan
+from p2p_diloco.peer.report import Outcome
+from p2p_diloco.peer.resume import save_session, state_dict_of
 from p2p_diloco.peer.runlog import RunLog
 from p2p_diloco.peer.session import SwarmSession
-from p2p_diloco.swarm import SwarmStartError, params_sha256
+from p2p_diloco.swarm import SwarmStartError
 
 logger = logging.getLogger(__name__)
 PROG = "run_peer"
@@ -93,12 +93,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage_error(PROG, str(e))
     display = ProgressDisplay.for_terminal(sys.stdout, log_file=cfg.run.log_file,
                                            tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len)
-    session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display], faults=faults)
+    session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display],
+                           faults=faults or NO_FAULTS)
+    if ck is not None:
+        try:
+            session.load_state_dict(state_dict_of(ck))
+        except ValueError as e:
+            usage_error(PROG, f"checkpoint {ck.path} cannot be resumed: {e}; use another --checkpoint-dir")
     metrics = _start_metrics(cfg, session) if cfg.run.metrics_port else None
     tracker: ExperimentTracker | None = None
     try:
         try:
-            how = session.start(ck.tensors if ck else None, ck.epoch if ck else 0)
+            how = session.start()
         except SwarmStartError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 1
@@ -107,25 +113,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _raise_stop)
         tracker = _start_tracking(cfg, session)
-        data_id = ck.manifest.get("data_id", session.peer_id) if ck else session.peer_id
-        position = DataPosition.from_dict(ck.manifest.get("data_position", {})) if ck else None
         try:
-            local = build_local(cfg, data_id, position, parts=(tokenizer, model))
+            local = build_local(cfg, session.data_id, session.data_position, parts=(tokenizer, model))
         except (DataSourceError, ValueError) as e:
             usage_error(PROG, str(e))
+        session.bind_data(local.stream)
         trainer = local.trainer
-        trainer.step_count = ck.manifest.get("inner_step", 0) if ck else 0
+        trainer.resume_at(session.inner_step)
         if metrics:
             metrics.set_peer_id(session.peer_id)
             metrics.inner_steps_total(trainer.step_count)
-        for _ in range(trainer.step_count):
-            trainer.scheduler.step()
         print(f"peer {session.peer_id}: {count_parameters(model):,}-parameter {cfg.model.model} on "
               f"{trainer.device}, run {cfg.run.run_id!r}, {how}", flush=True)
         print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
               f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
         runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
-                     maddrs=session.visible_maddrs(), params_sha256=params_sha256(session.state.anchors))
+                     maddrs=session.visible_maddrs(), params_sha256=session.params_sha256())
         eval_loss = trainer.evaluate(local.eval_batches)
         runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
         if metrics:
@@ -149,9 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{report.inner_steps} steps, train {report.train_loss:.4f}"
                   + (f", eval {eval_loss:.4f}" if evaluated else "")
                   + f", all-reduce {report.allreduce_seconds:.1f}s"
-                  + (f" [{report.reason}]" if report.reason and report.outcome != "averaged" else ""), flush=True)
+                  + (f" [{report.reason}]" if report.reason and report.outcome is not Outcome.AVERAGED else ""),
+                  flush=True)
             if cfg.run.checkpoint_dir and session.rounds_done % cfg.run.checkpoint_every == 0:
-                if _checkpoint(cfg, session, local.stream.position, trainer.step_count, data_id, fingerprint) and metrics:
+                if save_session(session) and metrics:
                     metrics.checkpoint_saved()
     except Stop:
         display.clear()
@@ -166,20 +170,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _checkpoint(cfg: PeerConfig, session: SwarmSession, position: DataPosition, inner_step: int,
-                data_id: str, fingerprint: str) -> bool:
-    manifest = {"run_id": cfg.run.run_id, "fingerprint": fingerprint, "model": cfg.model.model,
-                "data_id": data_id, "data_position": position.as_dict(), "inner_step": inner_step,
-                "saved_at": time.time()}
-    try:
-        save_checkpoint(cfg.run.checkpoint_dir, session.epoch, session.state.state_tensors(), manifest,
-                        keep=cfg.run.keep_checkpoints)
-    except CheckpointError as e:
-        logger.error("%s", e)
-        return False
-    return True
-
-
 def _start_tracking(cfg: PeerConfig, session: SwarmSession) -> ExperimentTracker | None:
     """W&B and/or TensorBoard (--wandb-project, --tensorboard-dir) as a listener of the session.
 
@@ -192,20 +182,20 @@ def _start_tracking(cfg: PeerConfig, session: SwarmSession) -> ExperimentTracker
         usage_error(PROG, str(e))
     if tracker is not None:
         tracker.set_peer_id(session.peer_id)
-        session.listeners.append(tracker)
+        session.add_listener(tracker)
     return tracker
 
 
 def _start_metrics(cfg: PeerConfig, session: SwarmSession) -> PeerMetrics:
     """Serve this peer's Prometheus metrics on --metrics-port and let them observe the session."""
     metrics = PeerMetrics(run_id=cfg.run.run_id, model=cfg.model.model, codec=cfg.outer.compression,
-                          served_downloads=lambda: session.server.served if session.server else 0)
+                          served_downloads=lambda: session.served_downloads)
     try:
         metrics.serve(cfg.run.metrics_port)
     except OSError as e:
         usage_error(PROG, f"cannot serve metrics on port {cfg.run.metrics_port}: {e.strerror or e}; "
                           "pick a free --metrics-port")
-    session.listeners.append(metrics)
+    session.add_listener(metrics)
     logger.info("Prometheus metrics on http://0.0.0.0:%d/metrics", cfg.run.metrics_port)
     return metrics
 

@@ -23,12 +23,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
-from p2p_diloco.peer.report import RoundReport, SessionListener
+from p2p_diloco.peer.report import Outcome, RoundReport, SessionListener
 from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS
 from p2p_diloco.trainer import InnerStats
 
 PREFIX = "p2p_diloco_"
-OUTCOMES = ("averaged", "folded_late", "resynced", "skipped", "own_only")
+OUTCOMES = tuple(o.value for o in Outcome)
 PHASES = ("starting", "training", "matchmaking", "averaging", "syncing")
 
 # Seconds: loopback rounds take a few seconds, internet rounds of a 150M model tens to hundreds.

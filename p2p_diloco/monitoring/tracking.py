@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from p2p_diloco.peer.report import RoundReport, SessionListener
+from p2p_diloco.peer.report import Outcome, RoundReport, SessionListener
 from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES = ("averaged", "folded_late", "resynced", "skipped", "own_only")
 INSTALL_HINT = "pip install 'p2p-diloco[tracking]' (or pip install wandb tensorboard)"
 
 
@@ -157,7 +156,7 @@ def round_values(report: RoundReport, stats: InnerStats, wall_seconds: float | N
         "time/blocked_s": report.blocked_seconds,
         "perf/tokens_per_s": stats.tokens_per_second,
     }
-    values.update({f"outcome/{name}": float(report.outcome == name) for name in OUTCOMES})
+    values.update({f"outcome/{o.value}": float(report.outcome is o) for o in Outcome})
     if math.isfinite(report.train_loss):
         values["train/loss"] = report.train_loss
     if wall_seconds and wall_seconds > 0:

@@ -1,10 +1,11 @@
 """Eager overlap: round t's all-reduce runs in a background thread while round t+1's inner steps train.
 
-The session drives it once per round, at the end of each inner phase::
+The round driver (:class:`p2p_diloco.core.round_driver.RoundDriver`, action ``EAGER``) uses it through the
+session's port once per round, at the end of each inner phase::
 
     prev = overlap.collect(epoch - 1, timeout)    # round t-1's average, or None
-    overlap.launch(delta, weight, epoch, ...)     # round t's all-reduce, in the background
     state.apply_eager(delta, prev avg or None)    # the core's eager rule (p2p_diloco.core.eager)
+    overlap.launch(delta, weight, epoch, ...)     # round t's all-reduce, in the background
 
 Rules that keep it safe:
 
@@ -27,39 +28,20 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from p2p_diloco.swarm import RoundAverager
-from p2p_diloco.swarm.result import RoundResult
-
-if TYPE_CHECKING:
-    from p2p_diloco.peer.report import RoundReport
-    from p2p_diloco.peer.session import SwarmSession
+from p2p_diloco.core.round_driver import Collected
+from p2p_diloco.core.rounds import Outcome, RoundResult
+from p2p_diloco.swarm.facade import Swarm
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Collected:
-    """What ``collect`` found for the round it was asked about."""
-
-    result: RoundResult | None
-    """The complete round's result, or None when there is nothing to apply."""
-    reason: str
-    """Why there is nothing to apply (empty when ``result`` is set)."""
-    waited_s: float
-    """How long the caller was blocked waiting for it."""
-    folded_stale: bool = False
-    """The round carried this peer's late work, and it went in."""
-
-
 class _Round:
-    """One ``RoundAverager.average`` call on a daemon thread."""
+    """One ``Swarm.average`` call on a daemon thread."""
 
-    def __init__(self, averager: RoundAverager, epoch: int, args: tuple, kwargs: dict) -> None:
+    def __init__(self, averager: Swarm, epoch: int, args: tuple, kwargs: dict) -> None:
         self.epoch = epoch
         self.carried_stale = kwargs.get("stale") is not None
         self.launched_at = time.monotonic()
@@ -69,7 +51,7 @@ class _Round:
                                         name=f"eager-allreduce-{epoch}", daemon=True)
         self._thread.start()
 
-    def _run(self, averager: RoundAverager, args: tuple, kwargs: dict) -> None:
+    def _run(self, averager: Swarm, args: tuple, kwargs: dict) -> None:
         try:
             self.result = averager.average(*args, **kwargs)
             logger.info("Background all-reduce of epoch %d: %s after %.1f s (matchmaking %.1f s, all-reduce %.1f s)%s",
@@ -78,7 +60,7 @@ class _Round:
                         f": {self.result.reason}" if self.result.reason else "")
         except Exception as e:  # noqa: BLE001 - any failure is a skipped round, reported to the caller
             logger.warning("Background all-reduce of epoch %d failed: %r", self.epoch, e)
-            self.result = RoundResult("skipped", f"background all-reduce raised {e!r}", self.epoch)
+            self.result = RoundResult(Outcome.SKIPPED, f"background all-reduce raised {e!r}", self.epoch)
 
     def join(self, timeout: float) -> bool:
         self._thread.join(max(0.0, timeout))
@@ -92,7 +74,7 @@ class _Round:
 class EagerOverlap:
     """Runs at most one background all-reduce and hands back its result only when it is complete."""
 
-    def __init__(self, averager: RoundAverager, peer_id: str) -> None:
+    def __init__(self, averager: Swarm, peer_id: str) -> None:
         self.averager = averager
         self.peer_id = peer_id
         self._round: _Round | None = None
@@ -152,59 +134,3 @@ class EagerOverlap:
         if self._round is not None:
             self._round.join(timeout)
             self._round.discarded = "the peer is shutting down"
-
-
-def own_share(result: RoundResult, peer_id: str) -> float:
-    """This peer's weight fraction in ``result``'s fresh mean (the eager rule's own-term factor)."""
-    index = result.contributors.index(peer_id)
-    total = sum(result.weights)
-    return result.weights[index] / total if total > 0 else 1.0 / max(1, result.group_size)
-
-
-def group_average(result: RoundResult) -> list[torch.Tensor]:
-    """The round's full aggregate Δ(t-1): the fresh mean plus any folded late work's term."""
-    if result.stale_term is None:
-        return list(result.fresh_mean)
-    return [f + s for f, s in zip(result.fresh_mean, result.stale_term, strict=True)]
-
-
-def eager_round(session: SwarmSession, delta: list[torch.Tensor], weight: float, report: RoundReport,
-                inner_seconds: float) -> None:
-    """The end of an inner phase with ``--overlap eager``: collect, launch, eager outer step."""
-    overlap = session.overlap
-    epoch = session.epoch
-    session._notify("status", "averaging", epoch)
-    # Wait for the previous round at most one inner phase, and never less than the matchmaking window:
-    # a round shorter than that window cannot hide an all-reduce anyway.
-    got = overlap.collect(epoch - 1, max(inner_seconds, session.cfg.swarm.matchmaking_time_s))
-    report.blocked_seconds = got.waited_s
-    if got.folded_stale:
-        session.late = None
-    if session.faults:
-        session.faults.before_allreduce()
-    stale, stale_weight, staleness = session._late_for_round()
-
-    result = got.result
-    share = own_share(result, session.peer_id) if result is not None else 0.0
-    if result is not None and session.state.eager.has_previous and share > 0.0:
-        session.state.apply_eager(delta, group_average(result), result.group_size, session.params,
-                                  own_share=share)
-        report.outcome = "folded_late" if got.folded_stale else "averaged"
-        report.group_size, report.contributors = result.group_size, list(result.contributors)
-        report.weights = [w + s for w, s in zip(result.weights, result.stale_weights, strict=True)]
-        report.staleness = list(result.stalenesses)
-        report.allreduce_seconds, report.wait_seconds = result.allreduce_seconds, result.wait_seconds
-        report.bytes_sent, report.bytes_received = result.bytes_sent, result.bytes_received
-        report.late_folded = sum(1 for s in result.stalenesses if s > 0)
-    else:
-        # Δ(t-1) unknown: the eager rule with Δ(t-1) = 0, i.e. this peer's own share of its fresh work.
-        session.state.apply_eager(delta, None, max(1, session.peers_visible), session.params)
-        report.outcome = "own_only"
-        report.reason = got.reason if result is None else "no own term stored for the previous round"
-    session.continue_local, session.carry_weight = False, 0.0
-    session._serve_state()
-    # Launch last: serving the new state talks to the averager process over the same pipe as the round's
-    # start, and a multiprocessing pipe must not be written from two threads at once.
-    if not overlap.launch(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight):
-        report.reason = (report.reason + "; " if report.reason else "") + (
-            f"the work of epoch {epoch} was not sent: the previous all-reduce still runs")

@@ -35,6 +35,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 
@@ -78,7 +79,32 @@ def parse_faults(text: str) -> list[Fault]:
     return faults
 
 
-class FaultPlan:
+class FaultHooks(Protocol):
+    """The points where an injected fault can act. Every hook is a no-op here, so a production peer runs
+    :data:`NO_FAULTS` and its code path reads without conditions; :class:`FaultPlan` overrides them."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose faults are due from now on."""
+
+    def after_inner_step(self) -> None:
+        """After every inner step (``slow_steps``)."""
+
+    def before_allreduce(self) -> None:
+        """Right before this peer's work is sent (``kill_before_allreduce``)."""
+
+    def swarm_hook(self) -> Callable[[str], bool | float | None] | None:
+        """The hook the averager process runs (``swarm.runner.FaultHook``); None runs none."""
+        return None
+
+
+class NoFaults(FaultHooks):
+    """Production: no fault acts."""
+
+
+NO_FAULTS = NoFaults()
+
+
+class FaultPlan(FaultHooks):
     """The faults of this peer; ``record`` is called with (action, epoch) right before a fault acts."""
 
     def __init__(self, faults: list[Fault], record: Callable[[str, int], None]) -> None:
@@ -128,6 +154,9 @@ class FaultPlan:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self._peer_pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def swarm_hook(self) -> Callable[[str], bool | float | None]:
+        return self.averager_hook
 
     def before_allreduce(self) -> None:
         if self._find("kill_before_allreduce"):

@@ -6,6 +6,7 @@ Example::
     python -m p2p_diloco.simulate --mode async-dn --speeds 1 1 1 0.4 --compression 4bit
     python -m p2p_diloco.simulate --workers 5 --byzantine 4=-20 --aggregation centered-clip
     python -m p2p_diloco.simulate sweep --local-steps 500 --workers 8   # outer lr/momentum for your H, k
+    python -m p2p_diloco.simulate --mode swarm --workers 4 --drop-rate 0.5 --fault-seed 1
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from p2p_diloco.config import TrainConfig
 from p2p_diloco.config_loader import ConfigError
 from p2p_diloco.core.robust import AGGREGATIONS
 from p2p_diloco.simulate.engine import MODES, RoundRecord, SimConfig
+from p2p_diloco.simulate.faults import FaultSchedule
 from p2p_diloco.simulate.modes import run
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,20 @@ def parse_byzantine(items: Sequence[str]) -> dict[int, float]:
             out[int(worker)] = float(scale)
         except ValueError:
             raise ValueError(f"byzantine: cannot read {item!r}; expected WORKER=SCALE, e.g. 4=-20") from None
+    return out
+
+
+def parse_pairs(name: str, items: Sequence[str]) -> dict[int, int]:
+    """``["3=5", ...]`` -> ``{3: 5}``; ``ValueError`` naming the item that cannot be read."""
+    out: dict[int, int] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(key)] = int(value)
+        except ValueError:
+            raise ValueError(f"{name}: cannot read {item!r}; expected WORKER=ROUND, e.g. 3=5") from None
     return out
 
 
@@ -97,6 +113,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=SimConfig.part_size_bytes,
         help="all-reduce part size; the screen and the robust rules act per part",
     )
+    faults = parser.add_argument_group("faults (--mode swarm; see p2p_diloco/simulate/faults.py)")
+    faults.add_argument("--drop-rate", type=float, default=0.0,
+                        help="probability that a worker's outer gradient of a round is lost, e.g. 0.5")
+    faults.add_argument("--late-rate", type=float, default=0.0,
+                        help="probability that a worker misses a round and folds its work in later")
+    faults.add_argument("--partial-rate", type=float, default=0.0,
+                        help="probability that a round's all-reduce fails mid-way (nobody applies it)")
+    faults.add_argument("--join", nargs="*", default=[], metavar="WORKER=ROUND",
+                        help="workers that join late, e.g. 3=5")
+    faults.add_argument("--faults", nargs="*", default=[], metavar="FAULT",
+                        help="scripted faults: late@EPOCH:WORKER, drop@EPOCH:WORKER, partial@EPOCH")
+    faults.add_argument("--fault-seed", type=int, default=0, help="seed of the drawn faults")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the result as JSON here")
     cfg, args = parse_config(parser, TrainConfig, argv, base=DEFAULTS)
     setup_logging(args.verbose)
@@ -113,6 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             norm_outlier_factor=args.norm_outlier_factor,
             part_size_bytes=args.part_size_bytes,
         )
+        schedule = FaultSchedule(seed=args.fault_seed, drop_rate=args.drop_rate, late_rate=args.late_rate,
+                                 partial_rate=args.partial_rate, joins=parse_pairs("join", args.join),
+                                 script=list(args.faults))
+        if schedule.active and sim.mode != "swarm":
+            raise ValueError(f"--drop-rate, --late-rate, --partial-rate, --join and --faults need --mode swarm, "
+                             f"not {sim.mode}")
+        schedule.check_workers(sim.workers)
     except ValueError as e:
         usage_error(PROG, str(e))
     print(f"{'round':>5} {'eval_loss':>9} {'virtual_s':>10} {'MB_sent/worker':>14} {'inner_steps':>11}")
@@ -124,12 +159,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
-    result = run(cfg, sim, show)
+    try:
+        result = run(cfg, sim, show, faults=schedule)
+    except ValueError as e:
+        usage_error(PROG, str(e))
     print(
         f"{sim.mode}: eval loss {result.initial_eval_loss:.4f} -> {result.final_eval_loss:.4f}, "
         f"{result.total_inner_steps} inner steps, {result.total_bytes_sent_per_worker / 1e6:.3f} MB "
         f"sent per worker, {result.virtual_time_s:.1f} virtual s"
     )
+    for peer, outcomes in getattr(result, "outcomes", {}).items():
+        print(f"{peer}: {' '.join(o or '-' for o in outcomes)}")
     for ban in result.bans:
         logger.info("%s", ban)
     if args.json:

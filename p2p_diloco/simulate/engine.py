@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MODES = ("ddp", "diloco", "fedavg", "async", "async-dn", "eager")
+MODES = ("ddp", "diloco", "fedavg", "async", "async-dn", "eager", "swarm")
 ALLREDUCE_MODES = ("diloco", "fedavg", "eager")
 """Modes whose workers average with each other (the others have a server or average gradients)."""
 
@@ -51,7 +51,8 @@ class SimConfig:
     """What to simulate; the training settings themselves come from :class:`TrainConfig`."""
 
     mode: str = "diloco"
-    """One of ddp, diloco, fedavg, async, async-dn, eager."""
+    """One of ddp, diloco, fedavg, async, async-dn, eager, or swarm (DiLoCo rounds run by the swarm's own round
+    policy, under a fault schedule: ``simulate.swarm_mode``)."""
     workers: int = 4
     """k, the number of simulated peers."""
     rounds: int = 10

@@ -5,6 +5,8 @@
 - ``async``: server-style naive asynchronous Nesterov, every push is a Nesterov step.
 - ``async-dn``: Delayed Nesterov with DyLU step counts (Liu et al.).
 - ``eager``: synchronous rounds whose all-reduce overlaps the next inner phase (Kale et al.).
+- ``swarm``: DiLoCo rounds decided by the swarm's own round policy, with drops, late arrivals, partial groups
+  and joiners from a fault schedule (:mod:`p2p_diloco.simulate.swarm_mode`).
 
 Equal compute: every mode runs ``rounds x local_steps x workers`` inner steps in total (ddp: the same
 number of per-worker batches), so final losses compare like for like; virtual times then differ.
@@ -37,6 +39,8 @@ from p2p_diloco.simulate.engine import (
     sent_by,
     train_round,
 )
+from p2p_diloco.simulate.faults import FaultSchedule
+from p2p_diloco.simulate.swarm_mode import run_swarm
 from p2p_diloco.trainer import InnerTrainer, evaluate_model
 
 logger = logging.getLogger(__name__)
@@ -254,9 +258,14 @@ def run_async(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None
     return result
 
 
-def run(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None) -> SimResult:
-    """Run ``sim.mode`` on ``cfg``; deterministic for a given ``cfg.run.seed``."""
+def run(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None,
+        faults: FaultSchedule | None = None) -> SimResult:
+    """Run ``sim.mode`` on ``cfg``; deterministic for a given ``cfg.run.seed``. ``faults`` only for ``swarm``."""
     torch.manual_seed(cfg.run.seed)
+    if faults is not None and faults.active and sim.mode != "swarm":
+        raise ValueError(f"faults (drops, late arrivals, partial groups, joiners) need --mode swarm, not {sim.mode}")
+    if sim.mode == "swarm":
+        return run_swarm(cfg, sim, faults, progress)
     if sim.mode == "ddp":
         return run_ddp(cfg, sim, progress)
     if sim.mode in ("diloco", "fedavg"):

@@ -37,6 +37,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 
 from p2p_diloco.core.bounds import l2_norm, output_bound
 from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
+from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
@@ -48,7 +49,6 @@ from p2p_diloco.swarm.group import (
 )
 from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.registry import GroupRegistryMixin
-from p2p_diloco.swarm.result import RoundResult
 from p2p_diloco.swarm.runner import (
     ByteCounter,
     CountingAllReduceRunner,
@@ -88,10 +88,6 @@ def _hook_assembly(matchmaking: Any, hook: FaultHook) -> None:
 
     matchmaking.leader_assemble_group = hooked
     matchmaking._assembly_hooked = True
-
-
-def _report(outcome: str, reason: str, **values: Any) -> dict[str, Any]:
-    return dict(outcome=outcome, reason=reason, **values)
 
 
 class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, DecentralizedAverager):
@@ -216,11 +212,10 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         budget = (self.cfg.matchmaking_timeout_s + self._join_timing.patience + self.cfg.allreduce_timeout_s
                   + _HOST_GRACE_S)
         if not self.is_alive():
-            return RoundResult("skipped", "the averager process is not running", epoch)
+            return RoundResult(Outcome.SKIPPED, "the averager process is not running", epoch)
         with self._locked_buffers(budget) as buffers:
             if buffers is None:
-                return RoundResult(
-                    "skipped", "the averaging buffers stayed busy (a previous round still runs)", epoch
+                return RoundResult(Outcome.SKIPPED, "the averaging buffers stayed busy (a previous round still runs)", epoch
                 )
             for source, target in (
                 (fresh if has_fresh else None, buffers[: self.num_tensors]),
@@ -231,15 +226,15 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         try:
             control = self._begin_step(encode_gather(self.bandwidth, self.mode, info))
         except Exception as e:
-            return RoundResult("skipped", f"could not start the round: {e!r}", epoch)
+            return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
-            report = control.result(timeout=budget)
+            result = control.result(timeout=budget)
         except TimeoutError:
             control.cancel()
-            return RoundResult("skipped", f"no answer from the averager within {budget:.0f} s", epoch)
+            return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch)
         except Exception as e:
-            return RoundResult("skipped", f"round failed: {e!r}", epoch)
-        return self._make_result(report, epoch, budget)
+            return RoundResult(Outcome.SKIPPED, f"round failed: {e!r}", epoch)
+        return self._make_result(result, epoch, budget)
 
     def ban(self, peer_id: str, reason: str) -> MPFuture:
         """Ban ``peer_id`` for the rest of the run in the averager process, where matchmaking, the all-reduce
@@ -283,23 +278,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         control.allow_allreduce()
         return control
 
-    def _make_result(self, report: dict[str, Any], epoch: int, timeout: float) -> RoundResult:
-        result = RoundResult(
-            outcome=report["outcome"],
-            reason=report["reason"],
-            epoch=epoch,
-            group_size=len(report.get("peers", ())),
-            contributors=tuple(report.get("peers", ())),
-            weights=tuple(report.get("weights", ())),
-            stale_weights=tuple(report.get("stale_weights", ())),
-            stalenesses=tuple(report.get("stalenesses", ())),
-            refused=tuple(report.get("refused", ())),
-            rejected=tuple(report.get("rejected", ())),
-            allreduce_seconds=report.get("allreduce_seconds", 0.0),
-            wait_seconds=report.get("wait_seconds", 0.0),
-            bytes_sent=report.get("bytes_sent", 0),
-            bytes_received=report.get("bytes_received", 0),
-        )
+    def _make_result(self, result: RoundResult, epoch: int, timeout: float) -> RoundResult:
+        """The averager process's result, for ``epoch``, with the averaged buffers read back if it averaged."""
+        result.epoch = epoch
         if result.refused:
             logger.warning("Round %d: refused group members: %s", epoch, "; ".join(result.refused))
         if result.rejected:
@@ -309,21 +290,19 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             return result
         with self._locked_buffers(timeout) as buffers:
             if buffers is None:
-                result.outcome, result.reason = "skipped", "could not read the averaged buffers back"
-                return result
+                return result.skip("could not read the averaged buffers back")
             result.fresh_mean = [t.clone() for t in buffers[: self.num_tensors]]
-            if report["with_stale"]:
+            if result.with_stale:
                 result.stale_term = [t.clone() for t in buffers[self.num_tensors :]]
         if not all(bool(torch.isfinite(t).all()) for t in result.fresh_mean + (result.stale_term or [])):
             # every member validates its own input, so this means a member sent NaN or inf on purpose
-            result.outcome, result.reason = "skipped", "the aggregate holds NaN or infinite values"
-            result.fresh_mean = result.stale_term = None
+            result.skip("the aggregate holds NaN or infinite values")
         return result
 
     # ------------------------------------------------------ averager process side
 
     async def _step(self, *, step: StepControl, future_for_init: MPFuture) -> None:
-        """One matchmaking attempt and at most one all-reduce; the result is a report dict, not an exception.
+        """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
         scaled, and the caller prefers a prompt "skipped" to a late round anyway.
@@ -349,42 +328,41 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             group_info = await matchmaking
             waited = time.monotonic() - began
             if group_info is None:
-                step.set_result(
-                    _report("skipped", "no group formed within matchmaking_timeout_s", wait_seconds=waited)
-                )
+                step.set_result(RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s",
+                                            wait_seconds=waited))
                 return
             await step.wait_for_trigger()
             with self._register_allreduce_group(group_info):
                 step.stage = AveragingStage.RUNNING_ALLREDUCE
                 # filled as the round goes, so that a round cut off by the timeout still names its group
-                summary: dict[str, Any] = {}
+                result = RoundResult(Outcome.SKIPPED, "round interrupted")
                 try:
-                    report = await asyncio.wait_for(
-                        self._aggregate_with_group(group_info, summary, **self.allreduce_kwargs),
+                    await asyncio.wait_for(
+                        self._aggregate_with_group(group_info, result, **self.allreduce_kwargs),
                         self._allreduce_timeout,
                     )
                 except asyncio.TimeoutError:
                     stuck = "; ".join(runner.progress() for runner in self._runners_of(group_info))
                     logger.warning("All-reduce of round %s timed out: %s", group_info.group_id.hex()[:8], stuck)
-                    report = _report("skipped", "all-reduce did not finish within allreduce_timeout_s", **summary)
-            report["wait_seconds"] = waited
-            step.set_result(report)
+                    result.skip("all-reduce did not finish within allreduce_timeout_s")
+            result.wait_seconds = waited
+            step.set_result(result)
         except Exception as e:
             logger.warning("Averaging round failed: %r", e)
             if not step.done():
-                step.set_result(
-                    _report("skipped", f"{type(e).__name__}: {e}", wait_seconds=time.monotonic() - began)
-                )
+                step.set_result(RoundResult(Outcome.SKIPPED, f"{type(e).__name__}: {e}",
+                                            wait_seconds=time.monotonic() - began))
         finally:
             step.stage = AveragingStage.FINISHED
             self._pending_groups_registered.set()
             if not step.done():
-                step.set_result(_report("skipped", "round interrupted"))
+                step.set_result(RoundResult(Outcome.SKIPPED, "round interrupted"))
 
     async def _aggregate_with_group(
-        self, group_info: GroupInfo, summary: dict[str, Any], min_vector_size: int, **kwargs: Any
-    ) -> dict[str, Any]:
-        """The round in a formed group; ``summary`` is filled as it goes, for the caller's timeout report."""
+        self, group_info: GroupInfo, result: RoundResult, min_vector_size: int, **kwargs: Any
+    ) -> RoundResult:
+        """The round in a formed group; ``result`` is filled as it goes, so a round cut off by the caller's
+        timeout still names its group. It ends ``AVERAGED`` only when every member confirmed."""
         began = time.monotonic()
         plan = plan_group(
             group_info.peer_ids,
@@ -396,17 +374,15 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             allowed=self._allowed,
         )
         rejected = dict(plan.rejected)
-        summary.update(
-            peers=[p.to_base58() for p in plan.peer_ids],
-            weights=[m.weight for m in plan.members],
-            stale_weights=[m.stale_weight for m in plan.members],
-            stalenesses=[m.staleness for m in plan.members],
-            refused=[f"{peer}: {reason}" for peer, reason in plan.refused],
-            with_stale=plan.with_stale,
-            rejected=self._ban(rejected),
-        )
+        result.contributors = tuple(p.to_base58() for p in plan.peer_ids)
+        result.weights = tuple(m.weight for m in plan.members)
+        result.stale_weights = tuple(m.stale_weight for m in plan.members)
+        result.stalenesses = tuple(m.staleness for m in plan.members)
+        result.refused = tuple(f"{peer}: {reason}" for peer, reason in plan.refused)
+        result.with_stale = plan.with_stale
+        result.rejected = tuple(self._ban(rejected))
         if plan.skip_reason is not None:
-            return _report("skipped", plan.skip_reason, **summary)
+            return result.skip(plan.skip_reason)
         counter = ByteCounter()
         size = sum(math.prod(shape) for shape, _ in self._layout) * (2 if plan.with_stale else 1)
         bandwidths = [
@@ -453,20 +429,18 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             )
             faults = await run_allreduce(runner, tensors)
             rejected.update(runner.rejected())
-            summary["rejected"] = self._ban(rejected)
+            result.rejected = tuple(self._ban(rejected))
             if self._fault_hook is not None and self._fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")
             confirmed, detail = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id)
-        summary.update(
-            allreduce_seconds=time.monotonic() - began,
-            bytes_sent=counter.sent,
-            bytes_received=counter.received,
-        )
+        result.allreduce_seconds = time.monotonic() - began
+        result.bytes_sent, result.bytes_received = counter.sent, counter.received
         if faults:
-            return _report("skipped", "partial all-reduce: " + "; ".join(faults), **summary)
+            return result.skip("partial all-reduce: " + "; ".join(faults))
         if not confirmed:
-            return _report("skipped", detail, **summary)
-        return _report("averaged", "", **summary)
+            return result.skip(detail)
+        result.outcome, result.reason = Outcome.AVERAGED, ""
+        return result
 
     def _runner_factory(
         self, plan: GroupPlan, fractions: Sequence[float], group_id: bytes, counter: ByteCounter, kwargs: dict

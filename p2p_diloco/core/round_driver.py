@@ -1,0 +1,260 @@
+"""Executes the round policy (:mod:`p2p_diloco.core.rounds`) against a :class:`RoundPort`.
+
+The port is the world one peer talks to: the real swarm (``peer.session.SwarmSession``) or the simulator's
+in-process group (``simulate.policy``). The driver owns the peer's :class:`PendingWork` and changes only
+the :class:`OuterState` and the model's parameters; everything network-bound goes through the port::
+
+    driver = RoundDriver(state, params, RoundPolicy(...), port, peer_id)
+    driver.begin()                      # params = anchors, unless the last round carried its work
+    ... inner steps on params ...
+    report = driver.end(samples, RoundReport(epoch=state.epoch, ...), inner_seconds)
+
+With ``--overlap eager`` (see :mod:`p2p_diloco.core.eager`) the all-reduce of epoch ``e`` runs in the background
+during the next inner phase; the outer step uses the complete average of epoch ``e - 1`` (outcome
+``averaged``) or, when that one was late, failed or partial, the own term only (outcome ``own_only``). A
+state download or a solo round resets the eager state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from p2p_diloco.core.delayed import Contribution, RoundAggregate, aggregate_round, summarize_round
+from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.core.rounds import (
+    Action,
+    Observation,
+    Outcome,
+    PendingWork,
+    RoundPolicy,
+    RoundReport,
+    RoundResult,
+    late_folded,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Collected:
+    """What an eager peer found for the background all-reduce of the previous round."""
+
+    result: RoundResult | None
+    """The complete round's result, or None when there is nothing to apply."""
+    reason: str
+    """Why there is nothing to apply (empty when ``result`` is set)."""
+    waited_s: float
+    """How long the caller was blocked waiting for it."""
+    folded_stale: bool = False
+    """The round carried this peer's late work, and it went in."""
+
+
+class RoundPort(Protocol):
+    """The world a round talks to. Every method is bounded in time and never raises for network trouble."""
+
+    def observe(self, epoch: int) -> Observation:
+        """The swarm's epoch, the peers visible and the solo timer (``minority`` left None)."""
+
+    def in_minority(self, epoch: int) -> bool:
+        """A strict majority published another checksum for ``epoch`` than our anchors'."""
+
+    def swarm_epoch(self) -> int | None:
+        """The swarm's epoch now (read again after a failed all-reduce)."""
+
+    def averaging(self, epoch: int) -> None:
+        """About to average (status for listeners)."""
+
+    def before_allreduce(self) -> None:
+        """Right before this peer's work is sent (fault injection point)."""
+
+    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
+                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+        """One blocking all-reduce of epoch ``epoch``."""
+
+    def resync(self, min_epoch: int) -> bool:
+        """Download and load the swarm's verified state of ``min_epoch`` or newer into the outer state and
+        the parameters; False (nothing changed) when no donor answered."""
+
+    def published(self, epoch: int) -> None:
+        """The anchors of ``epoch`` are new: serve them (and publish their checksum where peers vote)."""
+
+    def collect(self, epoch: int, timeout: float) -> Collected:
+        """Eager only: the background all-reduce of ``epoch``, waiting at most ``timeout`` s."""
+
+    def launch(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
+               stale: Sequence[torch.Tensor] | None, stale_weight: float) -> bool:
+        """Eager only: start the all-reduce of ``epoch`` in the background; False if the last one still runs."""
+
+    def discard(self, why: str) -> None:
+        """Eager only: forget the background round's result (it belongs to a state we left)."""
+
+
+def own_share(result: RoundResult, peer_id: str) -> float:
+    """This peer's weight fraction in ``result``'s fresh mean (the eager rule's own-term factor)."""
+    index = result.contributors.index(peer_id)
+    total = sum(result.weights)
+    return result.weights[index] / total if total > 0 else 1.0 / max(1, result.group_size)
+
+
+def group_average(result: RoundResult) -> list[torch.Tensor]:
+    """The round's full aggregate Δ(t-1): the fresh mean plus any folded late work's term."""
+    if result.stale_term is None:
+        return list(result.fresh_mean or [])
+    return [f + s for f, s in zip(result.fresh_mean or [], result.stale_term, strict=True)]
+
+
+class RoundDriver:
+    """Turns an inner phase into an outer step by the policy's decisions; see the module docstring.
+
+    Args:
+        state: this peer's anchors, outer optimizer and epoch.
+        params: the model's live parameters; written in place.
+        policy: the round policy.
+        port: the swarm or the simulator.
+        peer_id: this peer's id as the port's results name it.
+        matchmaking_time_s: an eager peer waits at least this long for the previous round.
+    """
+
+    def __init__(self, state: OuterState, params: Sequence[torch.Tensor], policy: RoundPolicy, port: RoundPort,
+                 peer_id: str, matchmaking_time_s: float = 0.0) -> None:
+        self.state, self.params, self.policy, self.port = state, list(params), policy, port
+        self.peer_id = peer_id
+        self.matchmaking_time_s = matchmaking_time_s
+        self.pending = PendingWork()
+
+    def begin(self) -> None:
+        """Start the inner phase from the anchors (unless the last round carried its work: then train on)."""
+        if not self.pending.train_on:
+            self.state.begin(self.params)
+
+    def new_state(self) -> None:
+        """The outer state was replaced (a download): nothing carried, no eager history, no background round."""
+        self.pending.applied()
+        self.state.eager.reset()
+        if self.policy.eager:
+            self.port.discard("this peer downloaded a new state since")
+
+    def end(self, samples: float, report: RoundReport, inner_seconds: float) -> RoundReport:
+        """Run the round's decisions; fills ``report`` (outcome, group, timings, new epoch) and returns it."""
+        epoch = self.state.epoch
+        weight = self.pending.weight_for(samples)
+        delta = [t.clone() for t in self.state.pseudo_gradient(self.params)]
+        seen = self.port.observe(epoch)
+        if self.policy.wants_checksum_vote(seen):
+            seen = dataclasses.replace(seen, minority=self.port.in_minority(epoch))
+        decision = self.policy.decide(seen)
+        if decision.action is Action.RESYNC:
+            report.outcome, report.reason = self._catch_up(delta, weight, decision.min_epoch), decision.reason
+        elif decision.action is Action.SOLO:
+            self._solo(delta, weight, report, decision.reason)
+        elif decision.action is Action.EAGER:
+            self._eager(delta, weight, report, inner_seconds, seen.peers_visible)
+        else:
+            started = time.monotonic()
+            self._average(delta, weight, report)
+            report.blocked_seconds = time.monotonic() - started
+        report.new_epoch = self.state.epoch
+        return report
+
+    # ------------------------------------------------------------------ actions
+
+    def _average(self, delta: list[torch.Tensor], weight: float, report: RoundReport) -> None:
+        epoch = self.state.epoch
+        stale, stale_weight, staleness = self.pending.late_term(epoch, self.policy.staleness)
+        self.port.averaging(epoch)
+        self.port.before_allreduce()
+        result = self.port.average(delta, weight, staleness, epoch, stale, stale_weight)
+        report.reason = result.reason
+        report.absorb(result)
+        swarm_epoch = None if result.averaged else self.port.swarm_epoch()
+        decision = self.policy.after_allreduce(epoch, result, swarm_epoch)
+        if decision.action is Action.RESYNC:
+            report.outcome = self._catch_up(delta, weight, decision.min_epoch)
+            return
+        if decision.action is Action.CARRY:
+            self.pending.carry(weight)
+            report.outcome = Outcome.SKIPPED
+            return
+        stats = summarize_round([w or s for w, s in zip(result.weights, result.stale_weights, strict=True)],
+                                list(result.stalenesses), self.policy.staleness, list(result.contributors))
+        self._apply(RoundAggregate(result.fresh_mean, result.stale_term, stats))
+        report.late_folded = late_folded(result.stalenesses)
+        report.outcome = Outcome.FOLDED_LATE if stale is not None else Outcome.AVERAGED
+        if stale is not None:
+            self.pending.late = None
+
+    def _solo(self, delta: list[torch.Tensor], weight: float, report: RoundReport, reason: str) -> None:
+        stale, stale_weight, staleness = self.pending.late_term(self.state.epoch, self.policy.staleness)
+        contributions = [Contribution(delta, weight, 0, self.peer_id)]
+        if stale is not None:
+            contributions.append(Contribution(stale, stale_weight, staleness, self.peer_id))
+        self._apply(aggregate_round(contributions, self.policy.staleness))
+        report.group_size, report.contributors = 1, [self.peer_id]
+        report.weights, report.staleness = [c.weight for c in contributions], [c.staleness for c in contributions]
+        report.outcome = Outcome.FOLDED_LATE if stale is not None else Outcome.AVERAGED
+        report.reason = reason
+        report.late_folded = int(stale is not None)
+        self.pending.late = None
+        if self.policy.eager:
+            # Any background round belongs to the group we no longer average with.
+            self.port.discard("this peer applied a solo round since")
+            self.state.eager.reset()
+
+    def _eager(self, delta: list[torch.Tensor], weight: float, report: RoundReport, inner_seconds: float,
+               peers_visible: int) -> None:
+        epoch = self.state.epoch
+        self.port.averaging(epoch)
+        # Wait for the previous round at most one inner phase, and never less than the matchmaking window:
+        # a round shorter than that window cannot hide an all-reduce anyway.
+        got = self.port.collect(epoch - 1, max(inner_seconds, self.matchmaking_time_s))
+        report.blocked_seconds = got.waited_s
+        if got.folded_stale:
+            self.pending.late = None
+        self.port.before_allreduce()
+        stale, stale_weight, staleness = self.pending.late_term(epoch, self.policy.staleness)
+        result = got.result
+        share = own_share(result, self.peer_id) if result is not None else 0.0
+        if result is not None and self.state.eager.has_previous and share > 0.0:
+            self.state.apply_eager(delta, group_average(result), result.group_size, self.params, own_share=share)
+            report.outcome = Outcome.FOLDED_LATE if got.folded_stale else Outcome.AVERAGED
+            report.absorb(result, rejected=False)
+            report.late_folded = late_folded(result.stalenesses)
+        else:
+            # Δ(t-1) unknown: the eager rule with Δ(t-1) = 0, i.e. this peer's own share of its fresh work.
+            self.state.apply_eager(delta, None, max(1, peers_visible), self.params)
+            report.outcome = Outcome.OWN_ONLY
+            report.reason = got.reason if result is None else "no own term stored for the previous round"
+        self.pending.applied()
+        self.port.published(self.state.epoch)
+        # Launch last: serving the new state talks to the averager process over the same pipe as the round's
+        # start, and a multiprocessing pipe must not be written from two threads at once.
+        if not self.port.launch(delta, weight, staleness, epoch, stale, stale_weight):
+            report.reason = (report.reason + "; " if report.reason else "") + (
+                f"the work of epoch {epoch} was not sent: the previous all-reduce still runs")
+
+    def _apply(self, aggregate: RoundAggregate) -> None:
+        self.state.apply(aggregate, self.params)
+        self.pending.applied()
+        self.port.published(self.state.epoch)
+
+    def _catch_up(self, delta: list[torch.Tensor], weight: float, min_epoch: int) -> Outcome:
+        """Load the swarm's state and keep this round's work as late work; ``SKIPPED`` if no donor answered.
+
+        Without a donor (a partition, every donor busy) nothing is stashed: the peer trains on from its own
+        parameters, so the next pseudo-gradient covers this round too and a long outage loses no work.
+        Stashing first would restart every round from the old anchors and keep only the last one's work.
+        """
+        origin = self.state.epoch
+        if not self.port.resync(min_epoch):
+            self.pending.carry(weight)
+            return Outcome.SKIPPED
+        self.new_state()
+        self.pending.stash_late(delta, weight, origin)
+        return Outcome.RESYNCED

@@ -1,0 +1,131 @@
+"""The swarm side of the round driver: :class:`SwarmPort` executes the round policy's actions on a real
+swarm (the ``RoundPort`` of :mod:`p2p_diloco.core.round_driver`).
+
+It reads and writes the swarm only through :class:`p2p_diloco.swarm.facade.Swarm`, changes the outer state
+only by loading a verified download, and tells listeners what happens. The decisions are not here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.core.round_driver import Collected
+from p2p_diloco.core.rounds import Observation, RoundResult
+from p2p_diloco.peer.eager import EagerOverlap
+from p2p_diloco.peer.faults import FaultHooks
+from p2p_diloco.peer.report import SessionListener
+from p2p_diloco.swarm.facade import Swarm
+from p2p_diloco.swarm.records import PeerProgress
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmPort:
+    """Executes rounds on ``swarm`` for the outer state ``state`` of the model's ``params``."""
+
+    def __init__(self, swarm: Swarm, state: OuterState, params: Sequence[torch.Tensor],
+                 listeners: list[SessionListener], faults: FaultHooks, eager: bool) -> None:
+        self.swarm, self.state, self.params = swarm, state, list(params)
+        self.listeners, self.faults, self.eager = listeners, faults, eager
+        self.overlap: EagerOverlap | None = None
+        self.peers_visible = 0
+        self.last_seen_others: float | None = None
+        self.late_start_s = 0.0
+        """Seconds the last state download took (the next phase is shortened by that much; see DyLU)."""
+
+    def start(self) -> None:
+        if self.eager:
+            self.overlap = EagerOverlap(self.swarm, self.swarm.peer_id)
+
+    def close(self, timeout: float) -> None:
+        if self.overlap is not None:
+            self.overlap.close(timeout=timeout)
+
+    def notify(self, method: str, *args: Any) -> None:
+        for listener in self.listeners:
+            try:
+                getattr(listener, method)(*args)
+            except Exception:  # noqa: BLE001 - a display or metrics bug must not stop training
+                logger.exception("listener %s.%s failed", type(listener).__name__, method)
+
+    def records(self) -> list[PeerProgress]:
+        """This run's and model's progress records; tracks who is visible and tells the listeners."""
+        records = self.swarm.records()
+        self.peers_visible = len(records)
+        if any(r.peer_id != self.swarm.peer_id for r in records):
+            self.last_seen_others = time.monotonic()
+        epochs = [r.epoch for r in records if not r.client_mode]
+        self.notify("swarm", self.peers_visible, max(epochs) if epochs else None)
+        return records
+
+    # ------------------------------------------------------------------ RoundPort
+
+    def swarm_epoch(self) -> int | None:
+        epochs = [r.epoch for r in self.records() if not r.client_mode]
+        return max(epochs) if epochs else None
+
+    def observe(self, epoch: int) -> Observation:
+        swarm_epoch = self.swarm_epoch()
+        unseen = None if self.last_seen_others is None else time.monotonic() - self.last_seen_others
+        return Observation(epoch, swarm_epoch, self.peers_visible, unseen_s=unseen)
+
+    def in_minority(self, epoch: int) -> bool:
+        return self.swarm.in_minority(epoch, self.state.anchors)
+
+    def averaging(self, epoch: int) -> None:
+        self.notify("status", "averaging", epoch)
+
+    def before_allreduce(self) -> None:
+        self.faults.before_allreduce()
+
+    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
+                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+        return self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight)
+
+    def resync(self, min_epoch: int, timeout: float | None = None) -> bool:
+        self.notify("status", "syncing", min_epoch)
+        began = time.monotonic()
+        state = self.swarm.download(self.state.anchors, min_epoch, timeout)
+        self.notify("state_transfer", "received", state is not None)
+        if state is None:
+            logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours", min_epoch)
+            return False
+        tensors = {f"param.{i}": t for i, t in enumerate(state.params)}
+        if self.state.outer.momentum > 0:
+            # Donors always serve a momentum (zeros when they have none); without momentum there is none to load.
+            tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
+        self.state.load_state_tensors(tensors, state.epoch)
+        self.state.begin(self.params)
+        self.serve(checksum=False)
+        self.late_start_s = time.monotonic() - began
+        logger.info("Synchronised to epoch %d from %s", state.epoch, state.donor)
+        return True
+
+    def published(self, epoch: int) -> None:
+        # Eager peers publish no checksums: their parameters differ by their own terms by design.
+        self.serve(checksum=not self.eager)
+
+    def collect(self, epoch: int, timeout: float) -> Collected:
+        return self.overlap.collect(epoch, timeout)
+
+    def launch(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
+               stale: Sequence[torch.Tensor] | None, stale_weight: float) -> bool:
+        return self.overlap.launch(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight)
+
+    def discard(self, why: str) -> None:
+        if self.overlap is not None:
+            self.overlap.discard(why)
+
+    # ------------------------------------------------------------------ state
+
+    def serve(self, *, checksum: bool) -> None:
+        """Serve the current anchors and momentum to joiners (and publish their checksum if asked)."""
+        momentum = [m if m is not None else torch.zeros_like(a)
+                    for m, a in zip(self.state.outer.momentum_buffers(), self.state.anchors, strict=True)]
+        self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum)

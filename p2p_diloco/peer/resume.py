@@ -1,0 +1,38 @@
+"""A session's checkpoints: :meth:`SwarmSession.state_dict` on disk (safetensors + a JSON manifest) and back.
+
+The manifest names the run and model the state belongs to, so a checkpoint is never resumed into another.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from p2p_diloco.checkpoint import Checkpoint, CheckpointError, save_checkpoint
+from p2p_diloco.peer.session import SwarmSession
+
+logger = logging.getLogger(__name__)
+
+
+def state_dict_of(ck: Checkpoint) -> dict[str, Any]:
+    """A checkpoint as :meth:`SwarmSession.load_state_dict` takes it."""
+    return {"epoch": ck.epoch, "outer": ck.tensors, "inner_step": ck.manifest.get("inner_step", 0),
+            "data_id": ck.manifest.get("data_id"), "data_position": ck.manifest.get("data_position", {})}
+
+
+def save_session(session: SwarmSession) -> bool:
+    """Write the session's state to ``--checkpoint-dir`` (keeping ``--keep-checkpoints``); False on failure,
+    which is logged (training goes on; the previous checkpoint stays)."""
+    cfg = session.cfg
+    state = session.state_dict()
+    manifest = {"run_id": cfg.run.run_id, "fingerprint": session.fingerprint, "model": cfg.model.model,
+                "data_id": state["data_id"], "data_position": state["data_position"],
+                "inner_step": state["inner_step"], "saved_at": time.time()}
+    try:
+        save_checkpoint(cfg.run.checkpoint_dir, state["epoch"], state["outer"], manifest,
+                        keep=cfg.run.keep_checkpoints)
+    except CheckpointError as e:
+        logger.error("%s", e)
+        return False
+    return True

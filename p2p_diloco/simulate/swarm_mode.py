@@ -1,0 +1,327 @@
+"""The ``swarm`` mode: DiLoCo rounds decided by the swarm's own round policy, under a fault schedule.
+
+Every worker runs the very :class:`p2p_diloco.core.round_driver.RoundDriver` a swarm peer runs; only the port
+differs. :class:`SimPort` answers what the DHT and the averager answer on the network: the swarm's epoch
+(the largest epoch a worker published), the peers visible, a state download (a copy of the newest published
+state) and the all-reduce (:class:`SimGroup`, the swarm's formulas: a fresh mean weighted by samples plus
+the late work's term). So skips, resyncs, carried work, late work, solo rounds and partial groups happen
+here as they do in the swarm (see :mod:`p2p_diloco.simulate.faults` for the faults).
+
+A round: the joining workers download the state; every present worker trains H steps; the workers on time
+end their round together (one thread each, since an all-reduce needs every member at once); then the late
+ones end theirs, finding the swarm ahead; the dropped ones restart from the swarm's state.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco.build import build_local
+from p2p_diloco.config import TrainConfig
+from p2p_diloco.core.delayed import StalenessPolicy
+from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.core.round_driver import Collected, RoundDriver
+from p2p_diloco.core.rounds import Observation, Outcome, RoundPolicy, RoundReport, RoundResult
+from p2p_diloco.simulate.engine import RoundRecord, SimConfig, SimResult, allreduce_bytes, allreduce_seconds
+from p2p_diloco.simulate.faults import FaultSchedule
+
+logger = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_S = 600.0
+"""A simulated all-reduce waits at most this long for its members (they only compute, so never in practice)."""
+
+
+@dataclass
+class SwarmSimResult(SimResult):
+    outcomes: dict[str, list[str | None]] = field(default_factory=dict)
+    """Per worker, each round's outcome (None: absent or dropped that round)."""
+
+
+class SimGroup:
+    """One round's all-reduce among the workers on time; members of one epoch average together."""
+
+    def __init__(self, expected: Sequence[int], partial: bool) -> None:
+        self._cond = threading.Condition()
+        self._waiting = set(expected)
+        self._members: dict[int, tuple] = {}
+        self._results: dict[int, RoundResult] | None = None
+        self.partial = partial
+        self.sizes: list[int] = []
+
+    def leave(self, index: int) -> None:
+        """``index`` finished its round (without averaging, or after)."""
+        with self._cond:
+            self._waiting.discard(index)
+            self._cond.notify_all()
+
+    def average(self, index: int, peer_id: str, delta: Sequence[torch.Tensor], weight: float, staleness: int,
+                epoch: int, stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+        with self._cond:
+            self._members[index] = (peer_id, list(delta), weight, staleness, epoch, stale, stale_weight)
+            self._waiting.discard(index)
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: not self._waiting, timeout=GROUP_TIMEOUT_S):
+                return RoundResult(Outcome.SKIPPED, "simulated group timed out", epoch)
+            if self._results is None:
+                self._results = self._reduce()
+            return self._results[index]
+
+    def _reduce(self) -> dict[int, RoundResult]:
+        by_epoch: dict[int, list[int]] = {}
+        for index in sorted(self._members):
+            by_epoch.setdefault(self._members[index][4], []).append(index)
+        results = {}
+        for epoch, indices in by_epoch.items():
+            members = [self._members[i] for i in indices]
+            ids = tuple(m[0] for m in members)
+            base = dict(contributors=ids, weights=tuple(m[2] for m in members),
+                        stale_weights=tuple(m[6] if m[5] is not None else 0.0 for m in members),
+                        stalenesses=tuple(m[3] for m in members))
+            if len(members) < 2:
+                for i in indices:
+                    results[i] = RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s", epoch)
+                continue
+            if self.partial:
+                for i in indices:
+                    results[i] = RoundResult(Outcome.SKIPPED, "partial all-reduce: a member failed (scheduled)",
+                                             epoch, **base)
+                continue
+            self.sizes.append(len(members))
+            # The swarm's formulas (swarm.group.GroupPlan.local_scales): the fresh mean over the fresh weight
+            # W_f, the late work's term over D = max(W_f, late total).
+            fresh_total = sum(m[2] for m in members)
+            late_total = sum(m[6] for m in members if m[5] is not None)
+            fresh = [torch.zeros_like(t, dtype=torch.float32) for t in members[0][1]]
+            for m in members:
+                for out, d in zip(fresh, m[1], strict=True):
+                    out.add_(d.float(), alpha=m[2] / fresh_total)
+            stale = None
+            if late_total > 0:
+                denominator = max(fresh_total, late_total)
+                stale = [torch.zeros_like(t) for t in fresh]
+                for m in members:
+                    if m[5] is not None:
+                        for out, e in zip(stale, m[5], strict=True):
+                            out.add_(e.float(), alpha=m[6] / denominator)
+            for i in indices:
+                results[i] = RoundResult(Outcome.AVERAGED, "", epoch, with_stale=stale is not None,
+                                         fresh_mean=[t.clone() for t in fresh],
+                                         stale_term=None if stale is None else [t.clone() for t in stale], **base)
+        return results
+
+
+class SimWorker:
+    """One simulated peer: its local setup, outer state and round driver."""
+
+    def __init__(self, index: int, cfg: TrainConfig, data_id: str, policy: RoundPolicy, world: SwarmWorld) -> None:
+        self.index, self.peer_id = index, data_id
+        self.local = build_local(copy.deepcopy(cfg), peer_id=data_id)
+        self.params = self.local.trainer.parameters()
+        self.state = OuterState(self.params, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
+                                policy=policy.staleness, codec=cfg.outer.compression,
+                                error_feedback=cfg.outer.error_feedback, device="cpu")
+        self.port = SimPort(world, self)
+        self.driver = RoundDriver(self.state, self.params, policy, self.port, data_id)
+        self.outcomes: list[str | None] = []
+
+
+class SwarmWorld:
+    """What the DHT holds: each worker's published epoch and servable state; and the round's group."""
+
+    def __init__(self) -> None:
+        self.published: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self.present: set[int] = set()
+        self.saw_others: set[int] = set()
+        self.group: SimGroup | None = None
+        self.lock = threading.Lock()
+
+    def publish(self, worker: SimWorker) -> None:
+        state = worker.state
+        tensors = {f"param.{i}": a.detach().clone() for i, a in enumerate(state.anchors)}
+        if state.outer.momentum > 0:
+            tensors.update({f"outer.momentum.{i}": (m if m is not None else torch.zeros_like(a)).detach().clone()
+                            for i, (m, a) in enumerate(zip(state.outer.momentum_buffers(), state.anchors,
+                                                           strict=True))})
+        with self.lock:
+            self.published[worker.index] = (state.epoch, tensors)
+
+    def swarm_epoch(self) -> int | None:
+        with self.lock:
+            epochs = [self.published[i][0] for i in self.present if i in self.published]
+        return max(epochs) if epochs else None
+
+    def donor(self, min_epoch: int, exclude: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self.lock:
+            offers = sorted((-epoch, i) for i, (epoch, _) in self.published.items()
+                            if i != exclude and i in self.present and epoch >= min_epoch)
+            return self.published[offers[0][1]] if offers else None
+
+
+class SimPort:
+    """The ``RoundPort`` of one simulated worker (see ``core.round_driver``)."""
+
+    def __init__(self, world: SwarmWorld, worker: SimWorker) -> None:
+        self.world, self.worker = world, worker
+
+    def observe(self, epoch: int) -> Observation:
+        visible = len(self.world.present)
+        if visible > 1:
+            self.world.saw_others.add(self.worker.index)
+        # The solo timer runs on wall time in the swarm; here a worker that saw others never goes solo.
+        unseen = 0.0 if self.worker.index in self.world.saw_others else None
+        return Observation(epoch, self.world.swarm_epoch(), visible, unseen_s=unseen)
+
+    def in_minority(self, epoch: int) -> bool:
+        return False  # simulated workers apply bit-identical averages
+
+    def swarm_epoch(self) -> int | None:
+        return self.world.swarm_epoch()
+
+    def averaging(self, epoch: int) -> None:
+        pass
+
+    def before_allreduce(self) -> None:
+        pass
+
+    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
+                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+        group = self.world.group
+        if group is None:
+            return RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s (arrived late)", epoch)
+        sent = delta if self.worker.state.codec.name == "none" else self.worker.state.encode(delta)[0]
+        return group.average(self.worker.index, self.worker.peer_id, sent, weight, staleness, epoch, stale,
+                             stale_weight)
+
+    def resync(self, min_epoch: int) -> bool:
+        offer = self.world.donor(min_epoch, self.worker.index)
+        if offer is None:
+            return False
+        epoch, tensors = offer
+        self.worker.state.load_state_tensors({k: t.clone() for k, t in tensors.items()}, epoch)
+        self.worker.state.begin(self.worker.params)
+        self.world.publish(self.worker)
+        return True
+
+    def published(self, epoch: int) -> None:
+        self.world.publish(self.worker)
+
+    def collect(self, epoch: int, timeout: float) -> Collected:
+        raise NotImplementedError("the swarm simulation runs blocking rounds (--overlap none)")
+
+    def launch(self, *args: object) -> bool:
+        raise NotImplementedError("the swarm simulation runs blocking rounds (--overlap none)")
+
+    def discard(self, why: str) -> None:
+        pass
+
+
+class SwarmSimulation:
+    """``sim.workers`` workers driving the round policy for ``sim.rounds`` rounds under ``faults``.
+
+    Args:
+        data_ids: each worker's data shard name (default ``sim-worker-{i}``); a swarm peer's is its peer id.
+    """
+
+    def __init__(self, cfg: TrainConfig, sim: SimConfig, faults: FaultSchedule | None = None,
+                 data_ids: Sequence[str] | None = None) -> None:
+        if cfg.outer.overlap != "none":
+            raise ValueError("the swarm simulation runs blocking rounds: use --overlap none")
+        self.cfg, self.sim, self.faults = cfg, sim, faults or FaultSchedule()
+        self.faults.check_workers(sim.workers)
+        ids = list(data_ids or [f"sim-worker-{i}" for i in range(sim.workers)])
+        if len(ids) != sim.workers:
+            raise ValueError(f"data_ids: need {sim.workers}, got {len(ids)}")
+        policy = RoundPolicy(StalenessPolicy(cfg.outer.staleness_decay, cfg.outer.max_staleness), solo_after_s=1.0)
+        self.world = SwarmWorld()
+        self.workers = [SimWorker(i, cfg, ids[i], policy, self.world) for i in range(sim.workers)]
+        for w in self.workers:
+            self.world.publish(w)
+
+    def _restart(self, worker: SimWorker) -> None:
+        """A dropped worker lost its round's work and restarts from the swarm's newest state."""
+        worker.driver.pending.late, worker.driver.pending.carried_weight = None, None
+        if worker.port.resync(0):
+            worker.driver.new_state()
+        else:
+            worker.state.begin(worker.params)
+
+    def run(self, progress=None) -> SwarmSimResult:
+        cfg, sim, H = self.cfg, self.sim, self.cfg.outer.local_steps
+        judge = self.workers[0]
+        result = SwarmSimResult(mode=sim.mode, workers=sim.workers, local_steps=H, speeds=list(sim.speeds),
+                                compression=cfg.outer.compression, model=cfg.model.model, seed=cfg.run.seed,
+                                initial_eval_loss=judge.local.trainer.evaluate(judge.local.eval_batches))
+        clock, steps, sent = 0.0, 0, 0
+        for rnd in range(sim.rounds):
+            joining = [w for w in self.workers if w.index not in self.world.present
+                       and self.faults.joined(w.index, rnd)]
+            for w in joining:
+                self.world.present.add(w.index)
+                if rnd > 0 and w.port.resync(self.world.swarm_epoch() or 0):
+                    w.driver.new_state()
+            present = [w for w in self.workers if w.index in self.world.present]
+            faults = self.faults.round_faults(rnd, self.world.swarm_epoch() or 0, sim.workers)
+            samples = {}
+            for w in present:
+                w.driver.begin()
+                samples[w.index] = w.local.trainer.train_steps(H).samples
+                steps += H
+            on_time = [w for w in present if w.index not in faults.late | faults.dropped]
+            group = self.world.group = SimGroup([w.index for w in on_time], faults.partial)
+            reports = self._end_together(on_time, samples)
+            self.world.group = None
+            for w in present:
+                if w.index in faults.late:
+                    reports[w.index] = w.driver.end(samples[w.index], RoundReport(epoch=w.state.epoch), 0.0)
+                elif w.index in faults.dropped:
+                    self._restart(w)
+            for w in self.workers:
+                report = reports.get(w.index)
+                w.outcomes.append(report.outcome.value if report is not None else None)
+            nbytes = judge.state.encoded_nbytes()
+            size = max([0, *group.sizes])
+            phase = max(H * sim.step_time_s / sim.speeds[w.index] for w in present)
+            clock += phase + allreduce_seconds(nbytes, size, sim.bandwidth_mbps)
+            sent += allreduce_bytes(nbytes, size)
+            record = RoundRecord(rnd + 1, judge.local.trainer.evaluate(judge.local.eval_batches), clock, sent, steps)
+            result.rounds.append(record)
+            result.final_eval_loss, result.virtual_time_s = record.eval_loss, clock
+            result.total_bytes_sent_per_worker, result.total_inner_steps = sent, steps
+            if progress:
+                progress(record)
+        result.outcomes = {w.peer_id: list(w.outcomes) for w in self.workers}
+        return result
+
+    def _end_together(self, on_time: list[SimWorker], samples: dict[int, int]) -> dict[int, RoundReport]:
+        """The on-time workers end their rounds at once (an all-reduce needs every member)."""
+        reports: dict[int, RoundReport] = {}
+        errors: list[BaseException] = []
+
+        def end(w: SimWorker) -> None:
+            try:
+                reports[w.index] = w.driver.end(samples[w.index], RoundReport(epoch=w.state.epoch), 0.0)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread below
+                errors.append(e)
+            finally:
+                self.world.group.leave(w.index)
+
+        threads = [threading.Thread(target=end, args=(w,), name=f"sim-worker-{w.index}") for w in on_time]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(GROUP_TIMEOUT_S)
+        if errors:
+            raise errors[0]
+        return reports
+
+
+def run_swarm(cfg: TrainConfig, sim: SimConfig, faults: FaultSchedule | None = None,
+              progress=None) -> SwarmSimResult:
+    """Run the ``swarm`` mode; deterministic for a given ``cfg.run.seed`` and ``faults.seed``."""
+    return SwarmSimulation(cfg, sim, faults).run(progress)

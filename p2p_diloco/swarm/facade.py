@@ -1,0 +1,135 @@
+"""``Swarm``: one peer's whole hivemind side behind one object.
+
+It owns the DHT (with the record guard), the ``RoundAverager``, the ``StateServer`` and the DHT's
+``RecordAudit``. Peers banned for a record they signed are banned in the averager process from inside here
+(see :meth:`Swarm.records`), so callers never pass bans around. Every method is bounded in time; only
+:meth:`start` raises (``SwarmStartError``, with what to fix).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import hivemind
+import torch
+from hivemind.compression import CompressionBase
+
+from p2p_diloco.core.rounds import RoundResult
+from p2p_diloco.swarm.averager import RoundAverager
+from p2p_diloco.swarm.checksum import params_sha256
+from p2p_diloco.swarm.config import SwarmConfig
+from p2p_diloco.swarm.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.records import (
+    PeerProgress,
+    fetch_progress,
+    majority_checksum,
+    publish_checksum,
+    publish_progress,
+    run_validator,
+)
+from p2p_diloco.swarm.runner import FaultHook
+from p2p_diloco.swarm.signing import RecordAudit, record_audit
+from p2p_diloco.swarm.state import StateServer, SwarmState, download_state
+
+logger = logging.getLogger(__name__)
+
+
+class Swarm:
+    """The DHT, averager, state server and record audit of one peer of run ``cfg.run_id``.
+
+    Args:
+        cfg: swarm settings.
+        fingerprint: the model's architecture digest; records of other models are ignored.
+        template: tensors shaped like the anchors (the averager shares them with its process).
+        compression: the all-reduce's wire codec.
+        fault_hook: test-only hook run inside the averager process (see ``runner.FaultHook``).
+    """
+
+    def __init__(self, cfg: SwarmConfig, fingerprint: str, template: Sequence[torch.Tensor],
+                 compression: CompressionBase | None = None, fault_hook: FaultHook | None = None) -> None:
+        self.cfg, self.fingerprint = cfg, fingerprint
+        self._template, self._compression, self._fault_hook = list(template), compression, fault_hook
+        self.dht: hivemind.DHT | None = None
+        self.averager: RoundAverager | None = None
+        self.server: StateServer | None = None
+        self.audit: RecordAudit | None = None
+
+    def start(self) -> None:
+        self.dht = start_dht(self.cfg, record_validators=[run_validator(self.cfg.run_id)])
+        self.audit = record_audit(self.dht)
+        self.averager = RoundAverager(self._template, self.dht, self.cfg, fingerprint=self.fingerprint,
+                                      compression=self._compression, fault_hook=self._fault_hook)
+        self.server = StateServer(self.averager)
+
+    def close(self) -> None:
+        if self.averager is not None:
+            self.averager.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58() if self.dht is not None else ""
+
+    @property
+    def served(self) -> int:
+        """State snapshots handed to joiners so far."""
+        return self.server.served if self.server is not None else 0
+
+    def visible_maddrs(self) -> list[str]:
+        return [a for a in visible_maddrs(self.dht) if "/p2p-circuit" not in a] if self.dht else []
+
+    # ------------------------------------------------------------------ records
+
+    def all_records(self) -> list[PeerProgress]:
+        """Every valid progress record of this run, any model (to refuse a run of another model)."""
+        return fetch_progress(self.dht, self.cfg.run_id)
+
+    def records(self) -> list[PeerProgress]:
+        """Progress records of this run and model; newly banned record writers are banned in the averager."""
+        records = [r for r in fetch_progress(self.dht, self.cfg.run_id) if r.fingerprint == self.fingerprint]
+        for peer, reason in self.audit.take_bans().items():  # the readers skip them already
+            self.averager.ban(peer, reason)
+        return records
+
+    def take_record_report(self) -> tuple[dict[str, int], list[str]]:
+        """Rejected DHT records by kind and record bans since the last call."""
+        return self.audit.take_report()
+
+    def publish_progress(self, *, epoch: int, inner_step: int, rates: tuple[float, float, float]) -> None:
+        steps_s, samples_s, tokens_s = rates
+        try:
+            publish_progress(self.dht, self.cfg.run_id, epoch=epoch, inner_step=inner_step, steps_per_s=steps_s,
+                             samples_per_s=samples_s, tokens_per_s=tokens_s, fingerprint=self.fingerprint,
+                             client_mode=self.cfg.client_mode, ttl_s=self.cfg.progress_ttl_s)
+        except Exception as e:  # noqa: BLE001 - a missed progress update must not stop training
+            logger.warning("Could not publish progress: %s", e)
+
+    def in_minority(self, epoch: int, anchors: Sequence[torch.Tensor]) -> bool:
+        """A strict majority published a checksum for ``epoch`` other than that of ``anchors``."""
+        sha, count, total = majority_checksum(self.dht, self.cfg.run_id, epoch)
+        return sha is not None and 2 * count > total and sha != params_sha256(anchors)
+
+    # ------------------------------------------------------------------ state
+
+    def serve(self, anchors: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], epoch: int,
+              *, checksum: bool) -> None:
+        """Serve the state of ``epoch`` to joiners; publish its checksum too when ``checksum``."""
+        sha = self.server.publish(anchors, momentum, epoch)
+        if not checksum:
+            return
+        try:
+            publish_checksum(self.dht, self.cfg.run_id, epoch, sha, ttl_s=self.cfg.checksum_ttl_s)
+        except ValueError as e:
+            logger.warning("Could not publish the checksum of epoch %d: %s", epoch, e)
+
+    def download(self, templates: Sequence[torch.Tensor], min_epoch: int,
+                 timeout: float | None = None) -> SwarmState | None:
+        """The swarm's verified state of ``min_epoch`` or newer (parameters and momentum), or None."""
+        return download_state(self.averager, templates, [torch.zeros_like(t) for t in templates],
+                              min_epoch=min_epoch, timeout=timeout)
+
+    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
+                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+        return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight)

@@ -1,0 +1,132 @@
+"""Tripwire: every private hivemind internal p2p_diloco relies on, named in one place.
+
+The swarm layer subclasses hivemind's averager, all-reduce runner and signature validator, overrides some of
+their private methods and reads some private fields (``p2p_diloco/swarm/*``, ``core/hivemind_codecs.py``,
+``cli/doctor.py``). A hivemind release that renames or reshapes any of them must fail HERE, with the name,
+not deep inside a swarm round. Supported: hivemind >= 1.1.10, < 1.2 (pyproject.toml; README).
+
+When a test below fails after a hivemind upgrade, read the new hivemind code for that name, adapt the module
+that uses it, and update this table. Adding a new dependency on a hivemind private internal means adding it
+here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import hivemind
+import pytest
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
+from hivemind.averaging.partition import TensorPartContainer
+from hivemind.compression import serialization
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
+from packaging.version import Version
+
+# (class, name, where p2p_diloco uses it). Methods: overridden or called. Fields: read or written.
+METHODS = [
+    (DecentralizedAverager, "_step", "swarm/averager.py overrides it (one attempt, a RoundResult)"),
+    (DecentralizedAverager, "_aggregate_with_group", "swarm/averager.py overrides it (plan, robust all-reduce)"),
+    (DecentralizedAverager, "_register_allreduce_group", "swarm/registry.py overrides it"),
+    (DecentralizedAverager, "_shutdown", "swarm/registry.py overrides it"),
+    (Matchmaking, "_request_join_group", "swarm/access.py wraps it (refuses leaders not allowed)"),
+    (Matchmaking, "_check_reasons_to_reject", "swarm/patience.py wraps it"),
+    (PotentialLeaders, "_declare_averager_periodically", "swarm/patience.py wraps it"),
+    (Matchmaking, "leader_assemble_group", "swarm/averager.py hooks it for the stall_leader fault"),
+    (AllReduceRunner, "_communicate_with_peer", "swarm/runner.py overrides it"),
+    (AllReduceRunner, "_accumulate_parts_streaming", "swarm/runner.py overrides it (checks parts at receipt)"),
+    (AllReduceRunner, "_get_peer_stub", "swarm/runner.py overrides it"),
+    (AllReduceRunner, "_generate_input_for_peer", "swarm/runner.py overrides it"),
+    (AllReduceRunner, "_ban_sender", "swarm/runner.py calls it"),
+    (RSASignatureValidator, "_serialize_record", "swarm/signing.py calls it"),
+]
+FIELDS = [
+    (DecentralizedAverager, "_outer_pipe", "swarm/averager.py, swarm/state.py send commands through it"),
+    (DecentralizedAverager, "_averaged_tensors", "swarm/averager.py reads the buffers back"),
+    (DecentralizedAverager, "_matchmaking", "swarm/averager.py, access.py, patience.py"),
+    (DecentralizedAverager, "_pending_groups_registered", "swarm/averager.py, registry.py"),
+    (DecentralizedAverager, "_running_groups", "swarm/averager.py, registry.py"),
+    (DecentralizedAverager, "_allreduce_timeout", "swarm/averager.py"),
+    (DecentralizedAverager, "_p2p", "swarm/averager.py, swarm/state.py"),
+    (Matchmaking, "step_control", "swarm/access.py"),
+    (AllReduceRunner, "_future", "swarm/runner.py"),
+    (AllReduceRunner, "tensor_part_container", "swarm/runner.py"),
+    (TensorPartContainer, "_input_parts_by_peer", "swarm/runner.py, swarm/verify.py"),
+    (TensorPartContainer, "_outputs_registered_by_peer", "swarm/runner.py"),
+    (TensorPartContainer, "_output_parts_by_peer", "tests/unit/test_bounds.py"),
+    (RSASignatureValidator, "_private_key", "swarm/signing.py (a guard without a key)"),
+    (RSASignatureValidator, "_local_public_key", "swarm/signing.py"),
+    (RSASignatureValidator, "_PUBLIC_KEY_RE", "swarm/signing.py"),
+    (RSASignatureValidator, "_SIGNATURE_RE", "swarm/signing.py"),
+    (RSAPrivateKey, "_private_key", "swarm/signing.py restores a key through __setstate__"),
+    (P2P, "_client", "cli/doctor.py dials a peer with it"),
+]
+# Overrides must keep hivemind's parameters: hivemind calls them.
+SIGNATURES = {
+    (DecentralizedAverager, "_step"): ["self", "step", "future_for_init"],
+    (DecentralizedAverager, "_aggregate_with_group"): ["self", "group_info", "min_vector_size", "kwargs"],
+    (DecentralizedAverager, "_register_allreduce_group"): ["self", "group_info"],
+    (DecentralizedAverager, "_shutdown"): ["self", "timeout"],
+}
+
+
+def _assigned(cls: type, name: str) -> bool:
+    """``name`` is a class attribute, or some method of the class (or a base) assigns ``self.name``."""
+    if name in vars(cls) or any(name in vars(base) for base in cls.__mro__):
+        return True
+    pattern = re.compile(rf"self\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)")
+    return any(pattern.search(inspect.getsource(base)) for base in cls.__mro__
+               if base.__module__.startswith("hivemind"))
+
+
+def test_hivemind_version_is_supported() -> None:
+    version = Version(hivemind.__version__)
+    assert Version("1.1.10") <= version < Version("1.2"), f"hivemind {version}: supported are >= 1.1.10, < 1.2"
+
+
+@pytest.mark.parametrize("cls, name, where", METHODS, ids=[f"{c.__name__}.{n}" for c, n, _ in METHODS])
+def test_private_method_exists(cls: type, name: str, where: str) -> None:
+    assert callable(getattr(cls, name, None)), f"hivemind's {cls.__name__}.{name} is gone; used by {where}"
+
+
+@pytest.mark.parametrize("cls, name, where", FIELDS, ids=[f"{c.__name__}.{n}" for c, n, _ in FIELDS])
+def test_private_field_exists(cls: type, name: str, where: str) -> None:
+    assert _assigned(cls, name), f"hivemind's {cls.__name__} no longer sets {name}; used by {where}"
+
+
+@pytest.mark.parametrize("key", list(SIGNATURES), ids=[f"{c.__name__}.{n}" for c, n in SIGNATURES])
+def test_overridden_methods_keep_their_parameters(key: tuple[type, str]) -> None:
+    cls, name = key
+    assert list(inspect.signature(getattr(cls, name)).parameters) == SIGNATURES[key], f"{cls.__name__}.{name}"
+
+
+def test_compression_table_has_the_slot_the_codec_adapter_takes() -> None:
+    from p2p_diloco.core.hivemind_codecs import HIVEMIND_SLOT
+
+    table = serialization._BASE_COMPRESSION_TYPES  # core/hivemind_codecs.py installs its codec here
+    assert HIVEMIND_SLOT in table, "hivemind's compression table lost the slot core/hivemind_codecs.py uses"
+
+
+def test_the_swarm_layer_uses_no_other_hivemind_private_name() -> None:
+    """Any ``._name`` in p2p_diloco that hivemind defines must be in the tables above (or be our own)."""
+    from pathlib import Path
+
+    import p2p_diloco
+
+    named = {n for _, n, _ in METHODS + FIELDS} | {"_BASE_COMPRESSION_TYPES"}
+    hivemind_root = Path(hivemind.__file__).parent
+    theirs = set()
+    for path in hivemind_root.rglob("*.py"):
+        theirs.update(re.findall(r"(?:def |self\.)(_[a-zA-Z]\w*)", path.read_text()))
+    ours_defined, used = set(), {}
+    for path in Path(p2p_diloco.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        ours_defined.update(re.findall(r"(?:def |self\.)(_[a-zA-Z]\w*)\s*(?:\(|:|,|=(?!=))", text))
+        for name in re.findall(r"\.(_[a-zA-Z]\w*)", text):
+            used.setdefault(name, path.name)
+    unnamed = {n: f for n, f in used.items() if n in theirs and n not in named and n not in ours_defined}
+    assert not unnamed, f"hivemind private names used but not listed in this tripwire: {unnamed}"
