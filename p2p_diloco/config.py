@@ -266,3 +266,31 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.inner.total_steps == 0 and self.run.max_rounds:
             self.inner.total_steps = self.run.max_rounds * self.outer.local_steps
+
+
+@dataclass
+class TrackingConfig:
+    """Where each round's record goes besides the JSON-lines log; all optional."""
+
+    wandb_project: str | None = None
+    """Weights & Biases project to log each round to (one W&B run per peer, grouped by run id). Needs the
+    wandb package and a login (or WANDB_MODE=offline). Default: no W&B."""
+
+    wandb_entity: str | None = None
+    """W&B team or user owning the project. Default: the logged-in user's default entity."""
+
+    tensorboard_dir: str | None = None
+    """Folder for TensorBoard event files, one sub-folder per peer id; view with tensorboard --logdir DIR.
+    Needs the tensorboard package. Default: no TensorBoard."""
+
+    def __post_init__(self) -> None:
+        for name in ("wandb_project", "wandb_entity", "tensorboard_dir"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name}: must not be empty; leave it out to disable it")
+        if self.wandb_entity and not self.wandb_project:
+            raise ValueError("wandb_entity: needs wandb_project; pass --wandb-project NAME too")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.wandb_project or self.tensorboard_dir)

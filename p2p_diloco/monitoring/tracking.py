@@ -30,44 +30,16 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from p2p_diloco.config import TrackingConfig
 from p2p_diloco.peer.report import Outcome, RoundReport, SessionListener
 from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'p2p-diloco[tracking]' (or pip install wandb tensorboard)"
-
-
-@dataclass
-class TrackingConfig:
-    """Where each round's record goes besides the JSON-lines log; all optional."""
-
-    wandb_project: str | None = None
-    """Weights & Biases project to log each round to (one W&B run per peer, grouped by run id). Needs the
-    wandb package and a login (or WANDB_MODE=offline). Default: no W&B."""
-
-    wandb_entity: str | None = None
-    """W&B team or user owning the project. Default: the logged-in user's default entity."""
-
-    tensorboard_dir: str | None = None
-    """Folder for TensorBoard event files, one sub-folder per peer id; view with tensorboard --logdir DIR.
-    Needs the tensorboard package. Default: no TensorBoard."""
-
-    def __post_init__(self) -> None:
-        for name in ("wandb_project", "wandb_entity", "tensorboard_dir"):
-            value = getattr(self, name)
-            if value is not None and not value.strip():
-                raise ValueError(f"{name}: must not be empty; leave it out to disable it")
-        if self.wandb_entity and not self.wandb_project:
-            raise ValueError("wandb_entity: needs wandb_project; pass --wandb-project NAME too")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.wandb_project or self.tensorboard_dir)
 
 
 class TrackingError(RuntimeError):

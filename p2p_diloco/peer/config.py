@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2p_diloco.config import TrainConfig
-from p2p_diloco.monitoring.tracking import TrackingConfig
+from p2p_diloco.config import TrackingConfig, TrainConfig
 from p2p_diloco.swarm.config import SwarmConfig
 
 

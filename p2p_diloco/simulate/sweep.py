@@ -27,7 +27,6 @@ import copy
 import json
 import logging
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -274,13 +273,3 @@ def main(argv: Sequence[str] | None, defaults: dict) -> int:
     if args.plot:
         plot(result, Path(args.plot))
     return 0
-
-
-def entry(argv: Sequence[str]) -> int:
-    from p2p_diloco.simulate.__main__ import DEFAULTS
-
-    return main(argv, DEFAULTS)
-
-
-if __name__ == "__main__":
-    sys.exit(entry(sys.argv[1:]))

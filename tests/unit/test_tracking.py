@@ -8,16 +8,17 @@ from pathlib import Path
 import pytest
 from hf_assets import wandb_history
 
-from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingConfig, TrackingError
-from p2p_diloco.peer.report import RoundReport
+from p2p_diloco.config import TrackingConfig
+from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingError
+from p2p_diloco.peer.report import Outcome, RoundReport
 from p2p_diloco.trainer import InnerStats
 
 ROUNDS = [
-    RoundReport(epoch=0, outcome="averaged", group_size=2, inner_steps=10, inner_seconds=3.0, allreduce_seconds=1.0,
+    RoundReport(epoch=0, outcome=Outcome.AVERAGED, group_size=2, inner_steps=10, inner_seconds=3.0, allreduce_seconds=1.0,
                 bytes_sent=1000, bytes_received=1200, train_loss=4.5, new_epoch=1, staleness=[0, 0]),
-    RoundReport(epoch=1, outcome="skipped", group_size=0, inner_steps=10, inner_seconds=3.0, train_loss=4.25,
+    RoundReport(epoch=1, outcome=Outcome.SKIPPED, group_size=0, inner_steps=10, inner_seconds=3.0, train_loss=4.25,
                 new_epoch=1),
-    RoundReport(epoch=1, outcome="folded_late", group_size=3, inner_steps=8, inner_seconds=2.0, bytes_sent=900,
+    RoundReport(epoch=1, outcome=Outcome.FOLDED_LATE, group_size=3, inner_steps=8, inner_seconds=2.0, bytes_sent=900,
                 bytes_received=950, train_loss=4.0, new_epoch=2, staleness=[0, 2, 0], late_folded=1),
 ]
 
