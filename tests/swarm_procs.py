@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from p2p_diloco.core.rounds import Outcome
 from p2p_diloco.demo import wait_for_maddr  # noqa: F401 - the tests import it from here
 
 # Loopback timings: rounds of a few seconds. Every peer of a test shares them. DyLU is held at H
@@ -24,7 +25,7 @@ FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "-
 
 
 # Round outcomes after which a peer holds the swarm's parameters for the round's new epoch.
-SYNCED = ("averaged", "folded_late", "resynced")
+SYNCED = tuple(o.value for o in Outcome if o.synced)
 # The longest a FAST round may take: matchmaking_timeout_s + the followers' patience (2 * request_timeout_s)
 # + allreduce_timeout_s + the averager's grace.
 ROUND_BUDGET_S = 15 + 2 * 2 + 30 + 10

@@ -1,20 +1,22 @@
 """The contract between a plain PyTorch training loop and the swarm: a few methods, state passed in.
 
-This is the loop ``run_peer`` runs (:mod:`p2p_diloco.cli.run_peer`), checkpoints and metrics aside::
+This is the loop ``run_peer`` runs (:mod:`p2p_diloco.cli.run_peer`), less its printing, evaluation and
+metrics; ``tests/unit/test_session_contract.py`` checks that each line below is in ``run_peer``::
 
-    session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display], faults=faults)
-    if checkpoint is not None:
-        session.load_state_dict(state_dict_of(checkpoint))  # outer state, epoch, inner step, data position
-    how = session.start()                                 # DHT, averager; join the swarm's state if behind
+    session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display],
+    session.load_state_dict(state_dict_of(ck))     # a checkpoint: outer state, epoch, inner step, data position
+    how = session.start()                          # DHT, averager; download the swarm's state if behind
     local = build_local(cfg, session.data_id, session.data_position, parts=(tokenizer, model))
-    session.bind_data(local.stream)                       # its position goes into state_dict()
-    local.trainer.resume_at(session.inner_step)
+    session.bind_data(local.stream)                # its position goes into state_dict()
+    trainer = local.trainer
+    trainer.resume_at(session.inner_step)
     while not session.done:
-        session.begin_round()                             # params = anchors (or train on after a skip)
-        steps = session.local_steps()                     # DyLU, from the speeds peers publish
-        stats = local.trainer.train_steps(steps, session.on_inner_step)
-        report = session.end_round(stats)                 # the round policy; params updated in place
-        save_checkpoint(**checkpoint_args(session.state_dict(), ...))   # every checkpoint_every rounds
+        session.begin_round()                      # params = anchors (or train on after a skipped round)
+        steps = session.local_steps()              # DyLU, from the speeds peers publish
+        stats = trainer.train_steps(steps, session.on_inner_step)
+        report = session.end_round(stats)          # the round policy; params updated in place
+        if cfg.run.checkpoint_dir and session.rounds_done % cfg.run.checkpoint_every == 0:
+            if save_session(session) and metrics:  # session.state_dict() on disk (peer/resume.py)
     session.close()
 
 What a round does is the round policy's (:mod:`p2p_diloco.core.rounds`, executed by

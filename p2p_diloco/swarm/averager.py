@@ -55,6 +55,7 @@ from p2p_diloco.swarm.runner import (
     FaultHook,
     RunnerFactory,
     confirm_complete,
+    no_faults,
     run_allreduce,
 )
 from p2p_diloco.swarm.state import StateSharingMixin
@@ -128,7 +129,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         self.num_tensors = len(template)
         self._layout = [(tuple(t.shape), t.dtype) for t in template]
         buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout * 2]
-        self._fault_hook = fault_hook
+        self._fault_hook: FaultHook = fault_hook or no_faults
         self._tolerance = wire_norm_tolerance(compression if compression is not None else NoCompression())
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
@@ -194,7 +195,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         if stale is not None:
             self._check_tensors("stale", stale)
         # A Byzantine test peer announces the norm of what it will send, as a real attacker could.
-        scale = self._fault_hook("announce") if self._fault_hook is not None else None
+        scale = self._fault_hook("announce")
         inflate = abs(scale) if isinstance(scale, float) and math.isfinite(scale) else 1.0
         info = MemberInfo.for_round(
             self.cfg.run_id,
@@ -310,7 +311,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         began = time.monotonic()
         self._guard_leaders()
         self._join_timing.install(self._matchmaking)
-        if self._fault_hook is not None:
+        if self._fault_hook is not no_faults:
             _hook_assembly(self._matchmaking, self._fault_hook)
         try:
             trigger, cancel = MPFuture(), MPFuture()
@@ -404,9 +405,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                         tensor.zero_()  # not mul_(0): leftovers of a failed round could hold inf
                     else:
                         tensor.mul_(scale)
-            if self._fault_hook is not None:
-                self._fault_hook("allreduce_begin")
-                _corrupt(tensors, self._fault_hook("corrupt_input"))
+            self._fault_hook("allreduce_begin")
+            _corrupt(tensors, self._fault_hook("corrupt_input"))
             make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
             tolerance = self._tolerance
             limits = None if tolerance is None else plan.sender_limits(self.cfg.norm_outlier_factor, tolerance)
@@ -430,7 +430,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             faults = await run_allreduce(runner, tensors)
             rejected.update(runner.rejected())
             result.rejected = tuple(self._ban(rejected))
-            if self._fault_hook is not None and self._fault_hook("confirm") is False:
+            if self._fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")
             confirmed, detail = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id)
         result.allreduce_seconds = time.monotonic() - began

@@ -44,6 +44,12 @@ number multiplies the averaged parts this member sends as a reducer: a hostile r
 (after the first part went to a remote reducer) and "confirm" (returning ``False`` there makes this member
 report an incomplete all-reduce), and "assemble" (a leader, right before it forms its group). Tests use it
 to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
+
+
+def no_faults(stage: str) -> None:
+    """The production fault hook: no stage does anything."""
+    return None
+
 STATUS_SUFFIX = b".done"
 """Group id suffix of the completion check that follows each all-reduce."""
 RECEIVED_ALL = averaging_pb2.AVERAGED_PART
@@ -146,7 +152,7 @@ class CountingAllReduceRunner(AllReduceRunner):
         self,
         *,
         counter: ByteCounter,
-        fault_hook: FaultHook | None = None,
+        fault_hook: FaultHook = no_faults,
         robust: dict[str, Any] | None = None,
         bounds: tuple[float, float] | None = None,
         fresh_tensors: int = 0,
@@ -204,7 +210,7 @@ class CountingAllReduceRunner(AllReduceRunner):
         if future is None:
             compression = self.tensor_part_container.compression
             info = self._my_part_infos[part_index]
-            factor = self._fault_hook("corrupt_output") if self._fault_hook is not None else None
+            factor = self._fault_hook("corrupt_output")
             if isinstance(factor, float):
                 averaged_part = averaged_part * factor
             future = asyncio.get_running_loop().run_in_executor(
@@ -276,7 +282,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             self._counter.sent += message.ByteSize()
             yield message
             self._remote_parts_sent += 1
-            if self._fault_hook is not None and self._remote_parts_sent == 1:
+            if self._remote_parts_sent == 1:
                 self._fault_hook("part_sent")
         # Keep the stream open until the reducer's last part is here, then say so (see RECEIVED_ALL). If its
         # reply stream fails instead, the event is set too and the reducer gets an acknowledgement it ignores.
