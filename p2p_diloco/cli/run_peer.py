@@ -18,7 +18,13 @@ import time
 from collections.abc import Sequence
 
 from p2p_diloco.build import build_local, build_model_and_tokenizer
-from p2p_diloco.checkpoint import CheckpointError, load_latest, save_checkpoint
+from p2p_diloco.checkpoint import (
+    CheckpointError,
+    DamagedCheckpointError,
+    load_latest,
+    save_checkpoint,
+    set_aside,
+)
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.config_loader import to_dict
 from p2p_diloco.data.loader import DataPosition
@@ -53,15 +59,26 @@ def _load_resume(cfg: PeerConfig, fingerprint: str):
         return None
     try:
         ck = load_latest(cfg.run.checkpoint_dir)
+    except DamagedCheckpointError as e:
+        if not cfg.run.start_fresh:
+            usage_error(PROG, f"{e}. Nothing was changed: restore it from a backup, or pass --start-fresh to "
+                              "keep it aside (renamed damaged-ckpt-*) and start without it")
+        ck, skipped = None, e.damaged
     except CheckpointError as e:
         usage_error(PROG, str(e))
+    else:
+        skipped = list(ck.skipped) if ck else []
+    for path, _reason in skipped:  # a later save of the same epoch would replace it
+        logger.warning("Damaged checkpoint %s kept as %s", path, set_aside(path))
     if ck is None:
-        logger.info("No checkpoint in %s yet; starting without one", cfg.run.checkpoint_dir)
+        logger.info("No usable checkpoint in %s; starting without one", cfg.run.checkpoint_dir)
         return None
-    for key, ours in (("run_id", cfg.run.run_id), ("fingerprint", fingerprint)):
-        if ck.manifest.get(key) != ours:
-            usage_error(PROG, f"checkpoint {ck.path} belongs to {key} {ck.manifest.get(key)!r}, not {ours!r}; "
-                              "use another --checkpoint-dir or the matching --run-id/--model")
+    # seq_len is not in the fingerprint (no parameter depends on it) but changes what the run trains on
+    for key, ours in (("run_id", cfg.run.run_id), ("fingerprint", fingerprint), ("seq_len", cfg.model.seq_len)):
+        if key in ck.manifest or key != "seq_len":  # checkpoints written before seq_len was recorded lack it
+            if ck.manifest.get(key) != ours:
+                usage_error(PROG, f"checkpoint {ck.path} belongs to {key} {ck.manifest.get(key)!r}, not {ours!r}; "
+                                  "use another --checkpoint-dir or the matching --run-id/--model/--seq-len")
     return ck
 
 
@@ -155,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _checkpoint(cfg: PeerConfig, session: SwarmSession, position: DataPosition, inner_step: int,
                 data_id: str, fingerprint: str) -> bool:
     manifest = {"run_id": cfg.run.run_id, "fingerprint": fingerprint, "model": cfg.model.model,
+                "seq_len": cfg.model.seq_len,
                 "data_id": data_id, "data_position": position.as_dict(), "inner_step": inner_step,
                 "saved_at": time.time()}
     try:
