@@ -46,14 +46,17 @@ def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = 
     """Everything a peer trains with. ``peer_id`` picks its data shard; ``parts`` reuses a built model."""
     tokenizer, model = parts or build_model_and_tokenizer(cfg)
     train = open_text_dataset(cfg.data.dataset, "train", cfg.data.text_field, cfg.data.dataset_config)
-    held_out = open_text_dataset(cfg.data.dataset, "eval", cfg.data.text_field, cfg.data.dataset_config)
     stream = PeerTokenStream(
         train, tokenizer, cfg.model.seq_len, cfg.inner.batch_size, peer_id,
         text_field=cfg.data.text_field, num_shards=cfg.data.virtual_shards, seed=cfg.run.seed,
         position=position,
     )
-    evals = eval_batches(
-        held_out, tokenizer, cfg.model.seq_len, cfg.inner.micro_batch, cfg.data.eval_batches, cfg.data.text_field
-    )
+    evals: list[torch.Tensor] = []
+    if cfg.run.eval_every:  # 0 disables evaluation: no held-out split is read, whatever its size
+        held_out = open_text_dataset(cfg.data.dataset, "eval", cfg.data.text_field, cfg.data.dataset_config)
+        evals = eval_batches(
+            held_out, tokenizer, cfg.model.seq_len, cfg.inner.micro_batch, cfg.data.eval_batches,
+            cfg.data.text_field,
+        )
     trainer = InnerTrainer(model, cfg.inner, stream)
     return LocalSetup(cfg, tokenizer, model, stream, trainer, evals, model_fingerprint(model, cfg.model.model))

@@ -237,7 +237,8 @@ class RunConfig:
     """Serve Prometheus metrics on this port (0.0.0.0). Default: no metrics endpoint."""
 
     eval_every: int = 1
-    """Evaluate on the held-out split every this many rounds; 0 disables."""
+    """Evaluate on the held-out split at start and every this many rounds; 0 disables evaluation entirely
+    (no held-out split is read), e.g. for a local dataset too small to hold one sequence out."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):

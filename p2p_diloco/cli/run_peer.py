@@ -135,11 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
         runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
                      maddrs=session.visible_maddrs(), params_sha256=params_sha256(session.state.anchors))
-        eval_loss = trainer.evaluate(local.eval_batches)
-        runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
-        if metrics:
-            metrics.eval(eval_loss, session.epoch)
-        print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
+        if cfg.run.eval_every:  # 0: no evaluation at all
+            eval_loss = trainer.evaluate(local.eval_batches)
+            runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
+            if metrics:
+                metrics.eval(eval_loss, session.epoch)
+            print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
         while not session.done:
             session.begin_round()
             steps = session.local_steps()
