@@ -59,6 +59,7 @@ def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = 
         text_field=cfg.data.text_field, num_shards=cfg.data.virtual_shards, seed=cfg.run.seed,
         position=position,
     )
-    evals = held_out_batches(cfg, tokenizer)
+    # 0 disables evaluation: no held-out split is read, whatever its size
+    evals = held_out_batches(cfg, tokenizer) if cfg.run.eval_every else []
     trainer = InnerTrainer(model, cfg.inner, stream)
     return LocalSetup(cfg, tokenizer, model, stream, trainer, evals, model_fingerprint(model, cfg.model.model))

@@ -6,11 +6,15 @@ Writing is atomic: both files go to a hidden temporary folder, are fsynced, and 
 into place, then the parent folder is fsynced. A crash at any moment leaves either the previous
 checkpoints untouched plus a stray ``.tmp-*`` folder (removed at the next save), or the new complete
 checkpoint. The manifest records the sha256 of the tensor file, so a checkpoint damaged later (bad
-disk, manual edits) is detected at load time and skipped in favour of the next newest.
+disk, manual edits) is detected at load time and skipped in favour of the next newest. When every
+checkpoint is damaged, loading raises ``DamagedCheckpointError`` instead of answering "none": starting
+over is the user's decision. A damaged checkpoint is never overwritten or rotated away: ``set_aside``
+renames it ``damaged-ckpt-EEEEEEEE``, out of the way of later saves, for the user to inspect or repair.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -33,10 +37,19 @@ FORMAT_VERSION = 1
 TENSORS = "state.safetensors"
 MANIFEST = "manifest.json"
 PREFIX = "ckpt-"
+DAMAGED_PREFIX = "damaged-"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message says which and why."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """Checkpoints exist but none can be loaded; ``damaged`` lists each as (path, reason), newest first."""
+
+    def __init__(self, message: str, damaged: list[tuple[Path, str]]) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 @dataclass
@@ -44,6 +57,8 @@ class Checkpoint:
     path: Path
     manifest: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    skipped: tuple[tuple[Path, str], ...] = ()
+    """Newer checkpoints that were damaged, as (path, reason); see ``set_aside``."""
 
     @property
     def epoch(self) -> int:
@@ -132,16 +147,38 @@ def _read(path: Path) -> Checkpoint:
 
 
 def load_latest(directory: str | os.PathLike) -> Checkpoint | None:
-    """The newest complete, undamaged checkpoint in ``directory``, or None when there is none."""
+    """The newest complete, undamaged checkpoint in ``directory``, or None when there is no checkpoint.
+
+    Raises ``DamagedCheckpointError`` when there are checkpoints but every one is damaged.
+    """
     root = Path(directory)
     if not root.is_dir():
         return None
+    damaged: list[tuple[Path, str]] = []
     for path in sorted(root.glob(f"{PREFIX}*"), reverse=True):
         try:
-            return _read(path)
+            return dataclasses.replace(_read(path), skipped=tuple(damaged))
         except (CheckpointError, FileNotFoundError) as e:
             logger.warning("skipping checkpoint: %s", e)
-    return None
+            damaged.append((path, str(e).removeprefix(f"{path}: ")))
+    if not damaged:
+        return None
+    what = (f"the only checkpoint in {str(root)!r}, {damaged[0][0].name}, is damaged" if len(damaged) == 1
+            else f"all {len(damaged)} checkpoints in {str(root)!r} are damaged")
+    reasons = "; ".join(f"{path.name}: {reason}" for path, reason in damaged)
+    raise DamagedCheckpointError(f"{what} ({reasons})", damaged)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint folder to ``damaged-ckpt-...`` next to it, so no save replaces or rotates
+    it away; returns the new path (a numbered suffix when that name is taken)."""
+    target = path.with_name(DAMAGED_PREFIX + path.name)
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{DAMAGED_PREFIX}{path.name}.{n}")
+        n += 1
+    os.replace(path, target)
+    return target
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -222,7 +222,13 @@ class RunConfig:
     """How many complete checkpoints to keep; older ones are deleted after a new one is written."""
 
     resume: bool = False
-    """Continue from the newest complete checkpoint in checkpoint_dir."""
+    """Continue from the newest complete checkpoint in checkpoint_dir. Damaged checkpoints are skipped for
+    the next newest; when every one is damaged the peer stops (see start_fresh). A checkpoint of another
+    run, model or seq_len is refused."""
+
+    start_fresh: bool = False
+    """With resume: when every checkpoint in checkpoint_dir is damaged, start without one instead of stopping.
+    The damaged ones are kept, renamed damaged-ckpt-*, so no later save overwrites them."""
 
     log_file: str | None = None
     """Write one JSON line per event (round, eval, ...) to this file."""
@@ -231,7 +237,8 @@ class RunConfig:
     """Serve Prometheus metrics on this port (0.0.0.0). Default: no metrics endpoint."""
 
     eval_every: int = 1
-    """Evaluate on the held-out split every this many rounds; 0 disables."""
+    """Evaluate on the held-out split at start and every this many rounds; 0 disables evaluation entirely
+    (no held-out split is read), e.g. for a local dataset too small to hold one sequence out."""
 
     def __post_init__(self) -> None:
         if not _RUN_ID.match(self.run_id):
@@ -247,6 +254,9 @@ class RunConfig:
             raise ValueError(f"keep_checkpoints: must be in [1, 1000], got {self.keep_checkpoints}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume: needs checkpoint_dir; pass --checkpoint-dir DIR")
+        if self.start_fresh and not self.resume:
+            raise ValueError("start_fresh: applies only with --resume (it says what to do when every checkpoint "
+                             "is damaged)")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [1, 65535], got {self.metrics_port}")
         if self.eval_every < 0:

@@ -169,7 +169,10 @@ class InnerTrainer:
 def evaluate_model(
     model: PreTrainedModel, batches: Sequence[torch.Tensor], device: torch.device, amp_dtype: torch.dtype | None
 ) -> float:
-    """Mean token loss of ``model`` over ``batches``; restores training mode afterwards."""
+    """Mean token loss of ``model`` over ``batches`` (NaN for none: evaluation is off); restores training
+    mode afterwards."""
+    if not batches:
+        return float("nan")
     was_training = model.training
     model.eval()
     try:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from p2p_diloco.build import build_local, build_model_and_tokenizer
-from p2p_diloco.checkpoint import CheckpointError, load_latest
+from p2p_diloco.checkpoint import CheckpointError, DamagedCheckpointError, load_latest, set_aside
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.config_loader import to_dict
 from p2p_diloco.data.sources import DataSourceError
@@ -61,15 +61,26 @@ def _load_resume(cfg: PeerConfig, fingerprint: str):
         return None
     try:
         ck = load_latest(cfg.run.checkpoint_dir)
+    except DamagedCheckpointError as e:
+        if not cfg.run.start_fresh:
+            usage_error(PROG, f"{e}. Nothing was changed: restore it from a backup, or pass --start-fresh to "
+                              "keep it aside (renamed damaged-ckpt-*) and start without it")
+        ck, skipped = None, e.damaged
     except CheckpointError as e:
         usage_error(PROG, str(e))
+    else:
+        skipped = list(ck.skipped) if ck else []
+    for path, _reason in skipped:  # a later save of the same epoch would replace it
+        logger.warning("Damaged checkpoint %s kept as %s", path, set_aside(path))
     if ck is None:
-        logger.info("No checkpoint in %s yet; starting without one", cfg.run.checkpoint_dir)
+        logger.info("No usable checkpoint in %s; starting without one", cfg.run.checkpoint_dir)
         return None
-    for key, ours in (("run_id", cfg.run.run_id), ("fingerprint", fingerprint)):
-        if ck.manifest.get(key) != ours:
-            usage_error(PROG, f"checkpoint {ck.path} belongs to {key} {ck.manifest.get(key)!r}, not {ours!r}; "
-                              "use another --checkpoint-dir or the matching --run-id/--model")
+    # seq_len is not in the fingerprint (no parameter depends on it) but changes what the run trains on
+    for key, ours in (("run_id", cfg.run.run_id), ("fingerprint", fingerprint), ("seq_len", cfg.model.seq_len)):
+        if key in ck.manifest or key != "seq_len":  # checkpoints written before seq_len was recorded lack it
+            if ck.manifest.get(key) != ours:
+                usage_error(PROG, f"checkpoint {ck.path} belongs to {key} {ck.manifest.get(key)!r}, not {ours!r}; "
+                                  "use another --checkpoint-dir or the matching --run-id/--model/--seq-len")
     return ck
 
 
@@ -129,13 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
         runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
                      maddrs=session.visible_maddrs(), params_sha256=session.params_sha256())
-        eval_loss = trainer.evaluate(local.eval_batches)
-        runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
-        if metrics:
-            metrics.eval(eval_loss, session.epoch)
-        if tracker:
-            tracker.eval(eval_loss, session.epoch)
-        print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
+        if cfg.run.eval_every:  # 0: no evaluation at all
+            eval_loss = trainer.evaluate(local.eval_batches)
+            runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)
+            if metrics:
+                metrics.eval(eval_loss, session.epoch)
+            if tracker:
+                tracker.eval(eval_loss, session.epoch)
+            print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
         while not session.done:
             session.begin_round()
             steps = session.local_steps()

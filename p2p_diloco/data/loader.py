@@ -163,7 +163,11 @@ def eval_batches(
     num_batches: int,
     text_field: str = "text",
 ) -> list[torch.Tensor]:
-    """The first ``num_batches`` packed batches of the held-out split, the same on every peer."""
+    """The first ``num_batches`` packed batches of the held-out split, the same on every peer.
+
+    A held-out split too small for one ``batch_size`` x ``seq_len`` batch (a small local file) gives one
+    batch of as many whole sequences as it holds; one with less than a sequence is an error naming the fix.
+    """
     eos = tokenizer.eos_token_id
     need = num_batches * batch_size * seq_len
     buffer: list[int] = []
@@ -180,9 +184,14 @@ def eval_batches(
         buffer.extend(ids + [eos])
     usable = len(buffer) // (batch_size * seq_len)
     if usable == 0:
-        raise ValueError(
-            f"the held-out split has {len(buffer)} tokens, fewer than one batch of {batch_size}x{seq_len}"
-        )
+        # A small local dataset: evaluate on one smaller batch rather than refuse it.
+        rows = len(buffer) // seq_len
+        if rows == 0:
+            raise ValueError(
+                f"the held-out split has {len(buffer)} tokens, fewer than one sequence of --seq-len {seq_len}; "
+                "use more data, a smaller --seq-len, or --eval-every 0 to train without evaluation"
+            )
+        return [torch.tensor(buffer[: rows * seq_len], dtype=torch.long).view(rows, seq_len)]
     n = min(num_batches, usable)
     flat = torch.tensor(buffer[: n * batch_size * seq_len], dtype=torch.long)
     return list(flat.view(n, batch_size, seq_len))

@@ -27,7 +27,7 @@ def save_session(session: SwarmSession) -> bool:
     cfg = session.cfg
     state = session.state_dict()
     manifest = {"run_id": cfg.run.run_id, "fingerprint": session.fingerprint, "model": cfg.model.model,
-                "data_id": state["data_id"], "data_position": state["data_position"],
+                "seq_len": cfg.model.seq_len, "data_id": state["data_id"], "data_position": state["data_position"],
                 "inner_step": state["inner_step"], "saved_at": time.time()}
     try:
         save_checkpoint(cfg.run.checkpoint_dir, state["epoch"], state["outer"], manifest,

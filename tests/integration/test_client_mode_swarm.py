@@ -67,6 +67,10 @@ def test_client_mode_peer_joins_downloads_and_averages_with_full_peers(tmp_path:
     assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in procs}
     assert "Traceback" not in tail(tmp_path, "c", 10**6)
 
+    # --eval-every 0: nobody evaluated, not even at start
+    assert not any(events(tmp_path, n, "eval") for n in procs)
+    assert all(r["eval_loss"] is None for n in procs for r in events(tmp_path, n, "round"))
+
     ids = {n: events(tmp_path, n, "start")[0]["peer_id"] for n in procs}
     start = events(tmp_path, "c", "start")[0]
     assert start["how"].startswith("joined at epoch"), start  # downloaded the full peers' state
