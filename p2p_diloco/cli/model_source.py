@@ -13,6 +13,14 @@ swarm. ``--source`` picks the parameters:
   exported one, for instance) as ``from_pretrained`` loads it;
 - ``auto`` (the default): ``checkpoint`` when ``--checkpoint-dir`` is given, else ``swarm`` when
   ``--initial-peers`` is, else ``model``.
+
+Reading the swarm starts a DHT node of its own: with the peer's config file, the peer's ``identity_path``
+would collide with the running peer (hivemind refuses a taken identity), so leave it out and a fresh id is
+made. A private swarm (``--allowed-peers``) serves its state only to listed ids: list the one you export
+with, and pass its key as ``--identity-path``.
+
+Memory, at 1B parameters: the model (4 GB in float32) plus the checkpoint's tensors or the downloaded state
+(parameters and outer momentum, 8 GB), on the CPU; the momentum is dropped as soon as it is checked.
 """
 
 from __future__ import annotations

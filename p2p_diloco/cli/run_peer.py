@@ -88,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:
         return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
-    parser = make_parser(PROG, "Train a language model together with a p2p_diloco swarm.", PeerConfig)
+    parser = make_parser(PROG, "Train a language model together with a p2p_diloco swarm. Subcommands: "
+                               "doctor, export, eval, plot (run_peer SUBCOMMAND --help).", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
     runlog = RunLog(cfg.run.log_file)
