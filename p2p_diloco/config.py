@@ -48,7 +48,7 @@ class DataConfig:
 
     dataset: str = "embedded"
     """'embedded' (the synthetic corpus shipped with the package, no network), a local .txt/.jsonl/.json/
-    .parquet file or a folder of them, or 'hf:NAME' for a Hugging Face dataset streamed from the hub."""
+    .parquet file or a folder of them (kinds may be mixed), or 'hf:NAME' for a Hugging Face dataset streamed from the hub."""
 
     dataset_config: str | None = None
     """Configuration name of a hub dataset (e.g. 'en' for allenai/c4); ignored for other sources."""
