@@ -28,7 +28,7 @@ class ModelConfig:
     """Which model every peer of the run trains."""
 
     model: str = "tiny"
-    """A preset (tiny ~1M params, small ~20M, 150m ~150M; Llama architecture) or a Hugging Face causal-LM
+    """A preset (tiny ~0.84M params, small ~21M, 150m ~117M; with the byte tokenizer, ~146M with a 32k vocabulary; Llama architecture) or a Hugging Face causal-LM
     id or local path. Presets are built from scratch; a name or path is loaded with from_pretrained."""
 
     seq_len: int = 128
