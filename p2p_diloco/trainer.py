@@ -67,14 +67,28 @@ class InnerTrainer:
             betas=(0.9, 0.95),
             fused=self.device.type == "cuda",
         )
-        if cfg.total_steps > 0:
-            self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-                self.optimizer, cfg.warmup_steps, max(cfg.total_steps, cfg.warmup_steps + 1),
-                min_lr_rate=cfg.min_lr_ratio,
-            )
-        else:
-            self.scheduler = get_constant_schedule_with_warmup(self.optimizer, cfg.warmup_steps)
+        self.scheduler = self._schedule(last_step=-1)
         self.step_count = 0
+
+    def _schedule(self, last_step: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """The learning-rate schedule, positioned after inner step ``last_step`` (-1: before the first)."""
+        cfg = self.cfg
+        if cfg.total_steps > 0:
+            return get_cosine_with_min_lr_schedule_with_warmup(
+                self.optimizer, cfg.warmup_steps, max(cfg.total_steps, cfg.warmup_steps + 1),
+                min_lr_rate=cfg.min_lr_ratio, last_epoch=last_step,
+            )
+        return get_constant_schedule_with_warmup(self.optimizer, cfg.warmup_steps, last_epoch=last_step)
+
+    def resume_at(self, step: int) -> None:
+        """Continue at inner step ``step`` (``--resume``): the learning rate is the schedule's at that step.
+
+        The schedule is rebuilt at that position rather than stepped ``step`` times: stepping it before any
+        optimizer step is what torch warns about ("lr_scheduler.step() before optimizer.step()").
+        """
+        self.step_count = step
+        if step > 0:
+            self.scheduler = self._schedule(last_step=step - 1)
 
     def parameters(self) -> list[torch.Tensor]:
         """The model's live parameter tensors, in a fixed order shared by every peer of the run."""

@@ -123,12 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (DataSourceError, ValueError) as e:
             usage_error(PROG, str(e))
         trainer = local.trainer
-        trainer.step_count = ck.manifest.get("inner_step", 0) if ck else 0
+        trainer.resume_at(ck.manifest.get("inner_step", 0) if ck else 0)
         if metrics:
             metrics.set_peer_id(session.peer_id)
             metrics.inner_steps_total(trainer.step_count)
-        for _ in range(trainer.step_count):
-            trainer.scheduler.step()
         print(f"peer {session.peer_id}: {count_parameters(model):,}-parameter {cfg.model.model} on "
               f"{trainer.device}, run {cfg.run.run_id!r}, {how}", flush=True)
         print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
