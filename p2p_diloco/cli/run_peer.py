@@ -135,8 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics.inner_steps_total(trainer.step_count)
         print(f"peer {session.peer_id}: {count_parameters(model):,}-parameter {cfg.model.model} on "
               f"{trainer.device}, run {cfg.run.run_id!r}, {how}", flush=True)
-        print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
-              f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
+        if cfg.swarm.client_mode:  # nobody can dial it, so its addresses are no use to others
+            print("client mode: others join through the run's full peers or bootstrap nodes, not this peer",
+                  flush=True)
+        else:
+            print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
+                  f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
         runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
                      maddrs=session.visible_maddrs(), params_sha256=params_sha256(session.state.anchors))
         if cfg.run.eval_every:  # 0: no evaluation at all

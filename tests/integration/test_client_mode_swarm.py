@@ -65,7 +65,10 @@ def test_client_mode_peer_joins_downloads_and_averages_with_full_peers(tmp_path:
                 proc.kill()
         boot.terminate()
     assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in procs}
-    assert "Traceback" not in tail(tmp_path, "c", 10**6)
+    client_out = tail(tmp_path, "c", 10**6)
+    assert "Traceback" not in client_out
+    # nobody can dial a client: it must not offer its addresses as a way in
+    assert "others join with" not in client_out and "client mode: others join through" in client_out
 
     # --eval-every 0: nobody evaluated, not even at start
     assert not any(events(tmp_path, n, "eval") for n in procs)
