@@ -28,7 +28,8 @@ class ModelConfig:
     """Which model every peer of the run trains."""
 
     model: str = "tiny"
-    """A preset (tiny ~1M params, mini ~5M, small ~20M, 150m ~150M; Llama architecture) or a Hugging Face causal-LM
+    """A preset (tiny ~0.84M params, mini ~4.9M, small ~21M, 150m ~117M with the byte tokenizer, ~146M with a 32k
+    vocabulary; Llama architecture) or a Hugging Face causal-LM
     id or local path. Presets are built from scratch; a name or path is loaded with from_pretrained."""
 
     seq_len: int = 128
@@ -48,7 +49,7 @@ class DataConfig:
 
     dataset: str = "embedded"
     """'embedded' (the synthetic corpus shipped with the package, no network), a local .txt/.jsonl/.json/
-    .parquet file or a folder of them, or 'hf:NAME' for a Hugging Face dataset streamed from the hub."""
+    .parquet file or a folder of them (kinds may be mixed), or 'hf:NAME' for a Hugging Face dataset streamed from the hub."""
 
     dataset_config: str | None = None
     """Configuration name of a hub dataset (e.g. 'en' for allenai/c4); ignored for other sources."""

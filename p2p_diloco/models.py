@@ -34,8 +34,9 @@ PRESETS: dict[str, Preset] = {
     "mini": Preset(256, 704, 6, 4, "about 5M parameters, for longer CPU simulations"),
     # ~21M parameters: the Async Local-SGD paper's smallest model size.
     "small": Preset(384, 1024, 12, 6, "about 20M parameters (the Async Local-SGD paper's smallest)"),
-    # ~116M with bytes, ~146M with a 32k vocabulary: the DiLoCo paper's main size.
-    "150m": Preset(896, 2432, 12, 14, "about 150M parameters with a 32k vocabulary (the DiLoCo paper's size)"),
+    # ~117M with bytes, ~146M with a 32k vocabulary: the DiLoCo paper's main size (its 150M counts a 32k
+    # vocabulary's embedding; the byte tokenizer's is 259 x 896).
+    "150m": Preset(896, 2432, 12, 14, "about 117M parameters with bytes, 146M with a 32k vocabulary (the DiLoCo paper's size)"),
 }
 
 

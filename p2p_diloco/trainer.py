@@ -49,17 +49,21 @@ def make_adamw(
     )
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: InnerConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` over ``total_steps`` (constant when 0).
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: InnerConfig,
+                   last_step: int = -1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` over ``total_steps`` (constant when 0),
+    positioned after inner step ``last_step`` (-1: before the first; otherwise the optimizer must already
+    have had a schedule, which records each group's ``initial_lr``).
 
     The schedule runs over the peer's whole training, not one round: the step count carries across
     rounds, so warmup happens once and the cosine never restarts.
     """
     if cfg.total_steps > 0:
         return get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, cfg.warmup_steps, max(cfg.total_steps, cfg.warmup_steps + 1), min_lr_rate=cfg.min_lr_ratio
+            optimizer, cfg.warmup_steps, max(cfg.total_steps, cfg.warmup_steps + 1), min_lr_rate=cfg.min_lr_ratio,
+            last_epoch=last_step,
         )
-    return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
+    return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps, last_epoch=last_step)
 
 
 @dataclass
@@ -97,13 +101,17 @@ class InnerTrainer:
         self.step_count = 0
 
     def resume_at(self, step: int) -> None:
-        """Continue a run at inner step ``step`` (from a checkpoint): the learning-rate schedule stands where
-        it stood then. Optimizer moments start fresh (they are not checkpointed)."""
+        """Continue at inner step ``step`` (``--resume``): the learning rate is the schedule's at that step.
+        Optimizer moments start fresh (they are not checkpointed).
+
+        The schedule is rebuilt at that position rather than stepped ``step`` times: stepping it before any
+        optimizer step is what torch warns about ("lr_scheduler.step() before optimizer.step()").
+        """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        for _ in range(step - self.step_count):
-            self.scheduler.step()
-        self.step_count = max(self.step_count, step)
+        self.step_count = step
+        if step > 0:
+            self.scheduler = make_scheduler(self.optimizer, self.cfg, last_step=step - 1)
 
     def parameters(self) -> list[torch.Tensor]:
         """The model's live parameter tensors, in a fixed order shared by every peer of the run."""

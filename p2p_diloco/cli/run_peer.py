@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from p2p_diloco.build import build_local, build_model_and_tokenizer
 from p2p_diloco.checkpoint import CheckpointError, DamagedCheckpointError, load_latest, set_aside
@@ -65,23 +66,29 @@ def _load_resume(cfg: PeerConfig, fingerprint: str):
         if not cfg.run.start_fresh:
             usage_error(PROG, f"{e}. Nothing was changed: restore it from a backup, or pass --start-fresh to "
                               "keep it aside (renamed damaged-ckpt-*) and start without it")
-        ck, skipped = None, e.damaged
+        _set_aside(e.damaged)
+        logger.info("Starting without a checkpoint (--start-fresh)")
+        return None
     except CheckpointError as e:
         usage_error(PROG, str(e))
-    else:
-        skipped = list(ck.skipped) if ck else []
-    for path, _reason in skipped:  # a later save of the same epoch would replace it
-        logger.warning("Damaged checkpoint %s kept as %s", path, set_aside(path))
     if ck is None:
-        logger.info("No usable checkpoint in %s; starting without one", cfg.run.checkpoint_dir)
+        logger.info("No checkpoint in %s yet; starting without one", cfg.run.checkpoint_dir)
         return None
-    # seq_len is not in the fingerprint (no parameter depends on it) but changes what the run trains on
-    for key, ours in (("run_id", cfg.run.run_id), ("fingerprint", fingerprint), ("seq_len", cfg.model.seq_len)):
-        if key in ck.manifest or key != "seq_len":  # checkpoints written before seq_len was recorded lack it
-            if ck.manifest.get(key) != ours:
-                usage_error(PROG, f"checkpoint {ck.path} belongs to {key} {ck.manifest.get(key)!r}, not {ours!r}; "
-                                  "use another --checkpoint-dir or the matching --run-id/--model/--seq-len")
+    checks = [("run_id", cfg.run.run_id), ("fingerprint", fingerprint)]
+    if "seq_len" in ck.manifest:  # not in the fingerprint (no parameter depends on it); older checkpoints lack it
+        checks.append(("seq_len", cfg.model.seq_len))
+    for key, ours in checks:
+        if ck.manifest.get(key) != ours:
+            usage_error(PROG, f"checkpoint {ck.path} belongs to {key} {ck.manifest.get(key)!r}, not {ours!r}; "
+                              "use another --checkpoint-dir or the matching --run-id/--model/--seq-len")
+    _set_aside(ck.skipped)
     return ck
+
+
+def _set_aside(damaged: Sequence[tuple[Path, str]]) -> None:
+    """Rename damaged checkpoints out of the way of later saves (one of the same epoch would replace them)."""
+    for path, reason in damaged:
+        logger.warning("Damaged checkpoint %s (%s) kept as %s", path, reason, set_aside(path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,8 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics.inner_steps_total(trainer.step_count)
         print(f"peer {session.peer_id}: {count_parameters(model):,}-parameter {cfg.model.model} on "
               f"{trainer.device}, run {cfg.run.run_id!r}, {how}", flush=True)
-        print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
-              f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
+        if cfg.swarm.client_mode:  # nobody can dial it, so its addresses are no use to others
+            print("client mode: others join through the run's full peers or bootstrap nodes, not this peer",
+                  flush=True)
+        else:
+            print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
+                  f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
         runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
                      maddrs=session.visible_maddrs(), params_sha256=session.params_sha256())
         if cfg.run.eval_every:  # 0: no evaluation at all

@@ -138,7 +138,9 @@ class SwarmConfig:
 
     client_mode: bool = False
     """Set when this peer cannot accept incoming connections (behind NAT without port forwarding). Clients
-    still contribute to rounds but do not aggregate parts for others nor serve state to joiners."""
+    still contribute to rounds (they send their parts to full peers, which reduce them) and download state,
+    but do not aggregate parts for others nor serve state to joiners. A client joins a swarm and cannot
+    start one: it needs initial peers and, to average, at least one full peer online."""
 
     use_relay: bool = True
     """Let libp2p circuit relays carry traffic to peers behind NAT. Keep on unless every peer is reachable."""

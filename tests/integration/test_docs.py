@@ -67,6 +67,12 @@ COVERAGE: list[tuple[str, str]] = [
     (r".*run_peer export .*--push-to-hub .*", "tests/unit/test_export_eval.py::test_push_to_hub_uploads_the_folder"),
     (r".*run_peer plot .*",
      "tests/integration/test_export_swarm.py::test_export_and_eval_from_a_live_swarm_and_its_checkpoints"),
+    # the NAT choices of peers/README.md: each parsed and checked in test_nat_choices_of_the_peer_guide; client
+    # mode also runs for real, in the doctor on loopback and in a swarm with full peers
+    (r"run_peer --config peers/peer\.yaml --client-mode",
+     "tests/integration/test_client_mode_swarm.py::test_client_mode_peer_joins_downloads_and_averages_with_full_peers"),
+    (r"run_peer --config peers/peer\.yaml (--client-mode|--host-maddrs .* --announce-maddrs .*|--use-relay --use-auto-relay)",
+     "tests/integration/test_docs.py::test_nat_choices_of_the_peer_guide"),
     (r".*run_peer .*", "tests/integration/test_peer_swarm.py::test_three_peers_train_fold_late_work_and_admit_a_joiner"),
     (r".*run_bootstrap .*", "tests/integration/test_docs.py::test_readme_local_swarm_and_preflight"),
     # deployment: the units' ExecStart lines and the image's ENTRYPOINT/CMD are parsed here; systemd and
@@ -229,10 +235,94 @@ def test_deployment_files_parse() -> None:
         assert (ROOT / copied).exists(), copied
 
 
+PRIVATE = ["/ip4/192.168.1.5/tcp/31338/p2p/" + EXAMPLE_ID]
+PUBLIC_BOOTSTRAP = "/ip4/1.2.3.4/tcp/31337/p2p/QmXFXEErbg3kDvTRQr6t1bwxuo4UkuLv1XbYdiyxQrukuN"
+
+
+def nat_choices() -> list[str]:
+    """The commands of peers/README.md's NAT section, in order."""
+    text = (ROOT / "peers" / "README.md").read_text()
+    section = re.search(r"^## \d+\. Behind NAT.*?(?=^## )", text, re.M | re.S)
+    assert section, "peers/README.md has no 'Behind NAT' section"
+    lines = {line.strip() for line in section.group(0).splitlines()}
+    return [c for c in guide_commands(ROOT / "peers" / "README.md") if c in lines]
+
+
+def test_nat_choices_of_the_peer_guide() -> None:
+    """The three NAT choices the peer guide offers are what the doctor advises, and each sets what it says."""
+    from p2p_diloco.cli import doctor
+
+    choices = nat_choices()
+    assert len(choices) == 3, choices
+    client, forward, relay = (parse_cli(*cli_args(c)) for c in choices)  # type: ignore[misc]
+    # 1. client mode joins the swarm of peer.yaml's initial peers (a client cannot start one)
+    assert client.swarm.client_mode and client.swarm.initial_peers
+    assert doctor.classify_reachability(PRIVATE, [PUBLIC_BOOTSTRAP], client.swarm.client_mode).status == "ok"
+    # 2. a forwarded port: listen on it and announce the public address with the same port
+    assert not forward.swarm.client_mode
+    listen_port = forward.swarm.host_maddrs[0].rsplit("/", 1)[1]
+    assert forward.swarm.host_maddrs[0] == f"/ip4/0.0.0.0/tcp/{listen_port}"
+    assert forward.swarm.announce_maddrs and all(a.endswith(f"/tcp/{listen_port}") for a in forward.swarm.announce_maddrs)
+    # 3. a relay
+    assert relay.swarm.use_relay and relay.swarm.use_auto_relay and not relay.swarm.client_mode
+    # the doctor's fix for an unreachable peer names exactly these three
+    verdict = doctor.classify_reachability(PRIVATE, [PUBLIC_BOOTSTRAP], client_mode=False)
+    assert verdict.status == "fail"
+    assert all(flag in verdict.fix for flag in ("--client-mode", "--announce-maddrs", "--use-auto-relay"))
+    # a client needs initial peers: the guide's promise that it joins a swarm, checked by the real parser
+    with pytest.raises(SystemExit) as exit_info:
+        parse_cli("run_peer", ["--client-mode"])
+    assert exit_info.value.code == 2
+
+
+def test_readme_model_table_states_the_presets_parameter_counts() -> None:
+    """Each preset's count in the README (byte vocabulary, and 32k where stated) is what the preset builds."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from p2p_diloco.data.tokenizer import load_tokenizer
+    from p2p_diloco.models import PRESETS, count_parameters, preset_config
+
+    byte_vocab = load_tokenizer("byte", "tiny", tuple(PRESETS)).vocab_size
+    rows = dict(re.findall(r"^\| `(\w+)` \| Llama, (.+?) \|$", (ROOT / "README.md").read_text(), re.M))
+    assert set(rows) == set(PRESETS), rows
+
+    def close(stated: str, vocab: int, name: str) -> bool:
+        with torch.device("meta"):  # shapes only: the 150m preset costs no memory here
+            count = count_parameters(LlamaForCausalLM(preset_config(name, vocab, 128)))
+        decimals = len(stated.partition(".")[2])
+        return abs(float(stated) - count / 1e6) <= 0.5 * 10**-decimals
+
+    for name, text in rows.items():
+        stated = re.match(r"~([\d.]+)M parameters", text)
+        assert stated and close(stated.group(1), byte_vocab, name), (name, text)
+        big = re.search(r"~([\d.]+)M with a 32k vocabulary", text)
+        assert big is None or close(big.group(1), 32000, name), (name, text)
+
+
+def test_bootstrap_guide_says_which_runs_the_swarm_metrics_show() -> None:
+    """The default --monitor-run-ids is the demo run only: the guide must say so and show how to list a run."""
+    text = " ".join((ROOT / "bootstrap" / "README.md").read_text().split())
+    default = BootstrapConfig.__dataclass_fields__["monitor_run_ids"].default_factory()  # type: ignore[misc]
+    assert default == ["p2p-diloco-demo"]
+    assert "`--monitor-run-ids`, which defaults to the demo run `p2p-diloco-demo`" in text
+    commands = [c for d, c in ALL_COMMANDS if d == "bootstrap/README.md" and "--monitor-run-ids" in c]
+    assert commands, "no bootstrap command lists the runs to monitor"
+    cfg = parse_cli(*cli_args(commands[0]))  # type: ignore[misc]
+    assert cfg.metrics_port and set(cfg.monitor_run_ids) - set(default)
+
+
 def _readme_block_command(program: str, *must: str) -> list[str]:
     found = [c for d, c in ALL_COMMANDS if d == "README.md" and program in c and all(m in c for m in must)]
     assert found, (program, must)
     return shlex.split(found[0])
+
+
+def parse_args_for_loopback(args: list[str], maddr: str, tmp_path: Path) -> list[str]:
+    """A guide command's arguments with its config file resolved and the network pointed at loopback."""
+    args = [str(ROOT / a) if a.endswith((".yaml", ".toml")) else a for a in args]
+    return [*args, "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path",
+            str(tmp_path / "nat.id"), "--checkpoint-dir", str(tmp_path / "ckpt")]
 
 
 @pytest.mark.slow
@@ -269,6 +359,14 @@ def test_readme_local_swarm_and_preflight(tmp_path: Path, capsys: pytest.Capture
         report = capsys.readouterr().out
         assert code == 0, report
         assert "small:" in report and "[ok  ] disk" in report
+
+        # the guide's first NAT choice, client mode, checked for real by the doctor (its averager starts as
+        # run_peer's does and serves no state)
+        client = cli_args(nat_choices()[0])[1]  # type: ignore[index]
+        code = run_peer.main(["doctor", *parse_args_for_loopback(client, maddr, tmp_path)])
+        report = capsys.readouterr().out
+        assert code == 0, report
+        assert "[ok  ] averager: client mode" in report and "[ok  ] reachability: client mode" in report
     finally:
         boot.terminate()
         boot.wait(30)
