@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from p2p_diloco import __version__
 from p2p_diloco.cli.common import Parser, make_parser, parse_config, setup_logging, usage_error
@@ -71,8 +72,8 @@ def export_info(loaded: LoadedModel, cfg: PeerConfig, dtype: str) -> dict[str, A
     return {
         "run_id": cfg.run.run_id, "model": cfg.model.model, "fingerprint": loaded.fingerprint,
         "source": loaded.source, "origin": loaded.origin, "epoch": loaded.epoch,
-        "params_sha256": loaded.params_sha256,
-        "tokenizer": cfg.data.tokenizer or ("byte" if cfg.model.model in PRESETS else cfg.model.model), "seq_len": cfg.model.seq_len, "dtype": dtype,
+        "params_sha256": loaded.params_sha256, "seq_len": cfg.model.seq_len, "dtype": dtype,
+        "tokenizer": cfg.data.tokenizer or ("byte" if cfg.model.model in PRESETS else cfg.model.model),
         "parameters": count_parameters(loaded.model), "exported_unix": time.time(),
         "p2p_diloco_version": __version__,
     }
@@ -123,8 +124,9 @@ def write_folder(loaded: LoadedModel, cfg: PeerConfig, output: Path, *, max_shar
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, output)
-    except OSError as e:
-        raise SourceError(f"cannot write {str(output)!r}: {e.strerror or e}", usage=False) from None
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as SafetensorError
+        raise SourceError(f"cannot write {str(output)!r}: {getattr(e, 'strerror', None) or e}; the previous "
+                          "folder, if any, is untouched", usage=False) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sorted(p.name for p in output.iterdir())

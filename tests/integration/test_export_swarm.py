@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hf_assets import corpus, make_bpe_tokenizer, make_hub_dataset
-from swarm_procs import FAST, SYNCED, env, events, kill_tree, start_peer, tail, wait_for, wait_for_maddr
+from swarm_procs import FAST, SYNCED, events, kill_tree, start_peer, tail, wait_for
 from transformers import AutoModelForCausalLM
 
 from p2p_diloco.build import build_model_and_tokenizer
@@ -26,7 +25,7 @@ from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.cli import evaluate, export, plot
 from p2p_diloco.cli.common import make_parser, parse_config
 from p2p_diloco.peer.config import PeerConfig
-from p2p_diloco.swarm import params_sha256
+from p2p_diloco.swarm import SwarmConfig, params_sha256, start_dht, visible_maddrs
 
 
 @pytest.fixture(autouse=True)
@@ -44,13 +43,6 @@ def _logits(model: torch.nn.Module, vocab: int) -> torch.Tensor:
         return model.eval()(ids).logits
 
 
-def start_bootstrap_process(tmp: Path) -> subprocess.Popen:
-    out = open(tmp / "bootstrap.out", "w")
-    return subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path",
-                             str(tmp / "bootstrap.id"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-                            stdout=out, stderr=subprocess.STDOUT, env=env())
-
-
 def _own_eval(tmp: Path, epoch: int) -> tuple[float, str]:
     """The eval loss and checksum a peer logged for the parameters of ``epoch`` (reached through the swarm)."""
     rows = [r for n in ("a", "b") for r in events(tmp, n, "round")
@@ -62,12 +54,16 @@ def _own_eval(tmp: Path, epoch: int) -> tuple[float, str]:
 @pytest.mark.slow
 def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    boot = start_bootstrap_process(tmp_path)  # starts while the assets are made
-    procs = {"boot": boot}
     tok = make_bpe_tokenizer(tmp_path / "tokenizer", corpus("train", 2000))
     hub = make_hub_dataset(tmp_path / "hub", corpus("train", 6000), corpus("eval", 200))
-    run = [*FAST, "--run-id", "export-t", "--tokenizer", str(tok), "--dataset", f"hf:{hub}", "--virtual-shards", "2"]
-    maddr = wait_for_maddr(tmp_path / "bootstrap.out", boot)
+    # short rounds: the test needs a few averaged epochs, not much training
+    run = [*FAST, "--run-id", "export-t", "--tokenizer", str(tok), "--dataset", f"hf:{hub}", "--virtual-shards", "2",
+           "--local-steps", "5", "--min-local-steps", "5"]
+    # the bootstrap node runs in this process (a bootstrap's DHT node as run_bootstrap starts it): one Python
+    # start-up less on a shared two-core machine
+    bootstrap = start_dht(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    maddr = visible_maddrs(bootstrap)[0]
+    procs: dict[str, subprocess.Popen] = {}
     try:
         for name in ("a", "b"):
             tracking = ["--tensorboard-dir", str(tmp_path / "tb")] if name == "a" else []
@@ -85,6 +81,7 @@ def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
     finally:
         for proc in procs.values():  # a lost machine: what was logged and checkpointed is all there is
             kill_tree(proc)
+        bootstrap.shutdown()
 
     # the live export holds the swarm's parameters of its epoch: the checksum every member published
     info = json.loads((tmp_path / "live" / "p2p_diloco.json").read_text())
