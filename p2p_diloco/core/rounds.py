@@ -304,6 +304,9 @@ class RoundReport:
     """How long training waited for the network this round (the whole all-reduce when blocking; with eager
     overlap only the wait for the previous round's background all-reduce)."""
 
+    def __post_init__(self) -> None:
+        self.outcome = Outcome(self.outcome)  # also from its value, e.g. a JSON line read back
+
     def absorb(self, result: RoundResult, *, rejected: bool = True) -> None:
         """Take the all-reduce's metadata (group, weights, timings, bytes) from ``result``."""
         self.group_size, self.contributors = result.group_size, list(result.contributors)

@@ -194,9 +194,20 @@ class SimPort:
         group = self.world.group
         if group is None:
             return RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s (arrived late)", epoch)
-        sent = delta if self.worker.state.codec.name == "none" else self.worker.state.encode(delta)[0]
-        return group.average(self.worker.index, self.worker.peer_id, sent, weight, staleness, epoch, stale,
-                             stale_weight)
+        codec = self.worker.state.codec
+        if codec.name == "none":
+            return group.average(self.worker.index, self.worker.peer_id, delta, weight, staleness, epoch, stale,
+                                 stale_weight)
+        # The wire carries both regions through the codec, and the reduced parts travel back through it.
+        sent = self.worker.state.encode(delta)[0]
+        stale_sent = None if stale is None else [codec.roundtrip(t) for t in stale]
+        result = group.average(self.worker.index, self.worker.peer_id, sent, weight, staleness, epoch, stale_sent,
+                               stale_weight)
+        if result.fresh_mean is not None:
+            result.fresh_mean = [codec.roundtrip(t) for t in result.fresh_mean]
+        if result.stale_term is not None:
+            result.stale_term = [codec.roundtrip(t) for t in result.stale_term]
+        return result
 
     def resync(self, min_epoch: int) -> bool:
         offer = self.world.donor(min_epoch, self.worker.index)
