@@ -237,7 +237,59 @@ def write_report(payload: dict) -> None:
         lines.append(f"| {name} | {target} | {measured} | {'yes' if met else 'no' if met is False else '-'} |")
     lines += ["", "![replicas at equal per-worker steps](benchmarks/results/convergence.png)",
               "![modes against virtual time](benchmarks/results/convergence_time.png)"]
+    lines += sweep_lines() + cause_lines()
     replace_section(ROOT / "BENCHMARKS.md", "convergence", "\n".join(lines))
+
+
+def sweep_lines() -> list[str]:
+    """The sweeps (``convergence_sweep.json``): every cell, the best per grid and its neighbours."""
+    path = RESULTS / "convergence_sweep.json"
+    if not path.exists():
+        return []
+    grids = json.loads(path.read_text())["grids"]
+    out = ["", "### Outer settings sweeps", "",
+           f"`benchmarks/convergence_sweep.py`: the same model and data, k = {S.WORKERS}, "
+           f"{S.SWEEP_ROUNDS * S.H} inner steps per worker (rounds = {S.SWEEP_ROUNDS * S.H} / H), final eval loss "
+           "per cell (seeds as listed; mean when more than one). Effective outer step = lr / (1 - momentum).", "",
+           "| grid | seeds | outer lr | momentum | effective step | final eval loss | best |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, g in grids.items():
+        mode = name.split("-H")[0]
+        best = g["best"][mode]
+        for p in g["points"]:
+            eff = p["outer_lr"] / (1 - p["outer_momentum"])
+            star = "best" if (p["outer_lr"], p["outer_momentum"]) == (best["outer_lr"], best["outer_momentum"]) else ""
+            out.append(f"| {name} | {g['seeds']} | {p['outer_lr']:g} | {p['outer_momentum']:g} | {eff:.2f} | "
+                       f"{statistics.fmean(p['finals']):.4f} | {star} |")
+    out += ["", "| grid | best (lr, momentum) | final eval loss | neighbours (relative loss) |",
+            "| --- | --- | --- | --- |"]
+    for name, g in grids.items():
+        mode = name.split("-H")[0]
+        b = g["best"][mode]
+        sens = ", ".join(f"{k} {v * 100:+.1f}%" for k, v in b["sensitivity"].items()) or "-"
+        out.append(f"| {name} | {b['outer_lr']:g}, {b['outer_momentum']:g} | {b['mean']:.4f} | {sens} |")
+    return out
+
+
+def cause_lines() -> list[str]:
+    """The cause measurement (``convergence_cause.jsonl``): final loss and the outer step's amplification."""
+    path = RESULTS / "convergence_cause.jsonl"
+    if not path.exists():
+        return []
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = ["", "### Why the old table had DiLoCo behind one worker", "",
+           "`benchmarks/convergence_cause.py` (tiny, batch 8 x 64, H = 20, 20 rounds = 400 inner steps per worker, "
+           "seed 0): amplification = how far the outer step moved the parameters over the norm of the averaged "
+           "pseudo-gradient (1 for FedAvg); agreement = cosine between consecutive rounds' averaged "
+           "pseudo-gradients.", "",
+           "| run | k | outer lr, mom | final eval loss | amplification, rounds 1 / 10 / 20 "
+           "| agreement, rounds 2 / 10 / 20 |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        recs = r["recs"]
+        amp = " / ".join(f"{recs[i]['amp']:.1f}" for i in (0, len(recs) // 2 - 1, len(recs) - 1))
+        agree = " / ".join(f"{recs[i]['cos_prev']:.2f}" for i in (1, len(recs) // 2 - 1, len(recs) - 1))
+        out.append(f"| {r['label']} | {r['k']} | {r['olr']:g}, {r['mom']:g} | {r['final']:.4f} | {amp} | {agree} |")
+    return out
 
 
 def plot(payload: dict) -> None:

@@ -166,7 +166,7 @@ class OuterConfig:
     - Small H (tens of steps) or few rounds: keep η / (1 − μ) near 1. Measured on the tiny preset, k = 4,
       H = 20, 10 rounds (BENCHMARKS.md, "Convergence"): η = 1, μ = 0 was best; effective steps 0.7-0.75 cost
       about 1.5%, 1.75-3 cost 2-6%, and the paper's 0.7 / 0.9 (effective 7) cost 10%. With 0.7 / 0.9 the outer
-      step moved the parameters 4-6x as far as the averaged pseudo-gradient by the end of the run, undoing the
+      step moved the parameters 6-7x as far as the averaged pseudo-gradient by the last round, undoing the
       inner lr's cosine decay: even a single worker ended 11% above plain training.
     - Check your own H and k with ``python -m p2p_diloco.simulate sweep``; lower η when a sweep's best sits
       at its largest momentum, raise it toward 1 when momentum is 0."""
