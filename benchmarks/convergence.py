@@ -164,6 +164,8 @@ def time_to_reach(rounds: list[dict], target: float) -> float | None:
 
 
 def _pm(r: dict) -> str:
+    if len(r["per_seed_final"]) == 1:
+        return f"{r['final_eval_loss']:.4f} (seed {r['seeds'][0]} only)"
     return f"{r['final_eval_loss']:.4f} ± {r['std']:.4f}"
 
 
