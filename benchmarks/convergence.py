@@ -47,18 +47,20 @@ def tuned() -> dict[str, tuple[float, float]]:
     if not path.exists():
         return out
     grids = json.loads(path.read_text())["grids"]
-    for mode in ("eager", "async-dn"):
-        g = grids.get(f"{mode}-H{S.H}")
-        if g:
-            best = g["best"][mode]
-            out[mode] = (best["outer_lr"], best["outer_momentum"])
-    points = [p for name, g in grids.items() if name.startswith(f"diloco-H{S.H}") for p in g["points"]]
+    def cells(mode: str) -> list[dict]:
+        # Every grid of this mode at the tables' H ("diloco-H20", "diloco-H20-lr1.5", ...).
+        return [p for name, g in grids.items() if name.split("-H")[0] == mode
+                and name.split("-H")[1].split("-")[0] == str(S.H) for p in g["points"]]
 
     def best_of(cells: list[dict]) -> tuple[float, float] | None:
         if not cells:
             return None
         b = min(cells, key=lambda p: statistics.fmean(p["finals"]))
         return (b["outer_lr"], b["outer_momentum"])
+
+    for mode in ("eager", "async-dn"):
+        out[mode] = best_of(cells(mode)) or out[mode]
+    points = cells("diloco")
 
     out["diloco"] = best_of(points) or out["diloco"]
     out["nesterov"] = best_of([p for p in points if p["outer_momentum"] > 0]) or out["nesterov"]

@@ -43,6 +43,8 @@ def grids() -> list[tuple[str, str, int, list[float], list[float], list[float]]]
     for h in S.SWEEP_H:
         out.append((f"diloco-H{h}", "diloco", h, [0.5, 1.0, 1.5], [0.0], even))
     out.append(("diloco-H20-lr1.5", "diloco", S.H, [1.5], [0.0], even))
+    # Eager's H = 20 optimum sat at the grid's smallest lr (0.7, momentum 0): extend the grid down.
+    out.append(("eager-H20-low", "eager", S.H, [0.3, 0.5], [0.0], even))
     assert all(total % g[2] == 0 for g in out)
     return out
 
