@@ -57,7 +57,6 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = json.loads(OUT.read_text()) if OUT.exists() else {"grids": {}}
     for name, mode, h, lrs, moms, speeds in grids():
         if args.only and name not in args.only:
             continue
@@ -69,6 +68,8 @@ def main() -> int:
                         lambda p, s, f, h=h: print(f"{p.mode} H={h} lr {p.outer_lr} mom {p.outer_momentum} seed {s}: "
                                               f"{f:.4f}", flush=True))
         print(format_table(res), flush=True)
+        # Re-read before writing, so grids written meanwhile by another run of this script are kept.
+        payload = json.loads(OUT.read_text()) if OUT.exists() else {"grids": {}}
         payload["grids"][name] = res.as_dict() | {"wall_s": time.time() - t0, "speeds": speeds,
                                                    "batch": S.BATCH, "seq_len": S.SEQ_LEN}
         OUT.write_text(json.dumps(payload, indent=1))
