@@ -238,7 +238,8 @@ def write_report(payload: dict) -> None:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in payload["runs"]:
-        lines.append(f"| {r['label']} | {r['workers']} | {r['outer_lr']:g}, {r['outer_momentum']:g} | {_pm(r)} | "
+        outer = "-" if r["mode"] == "ddp" else f"{r['outer_lr']:g}, {r['outer_momentum']:g}"
+        lines.append(f"| {r['label']} | {r['workers']} | {outer} | {_pm(r)} | "
                      f"{r['total_inner_steps']} | {r['virtual_time_s']:.0f} | "
                      f"{r['total_bytes_sent_per_worker'] / 1e6:.2f} |")
     lines += ["", "| figure | target | measured | met |", "| --- | --- | --- | --- |"]
