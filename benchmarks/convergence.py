@@ -37,52 +37,68 @@ PAPER = (0.7, 0.9)
 
 
 def tuned() -> dict[str, tuple[float, float]]:
-    """Best (outer lr, momentum) per mode from the sweep JSON; FedAvg-style outer SGD = best at momentum 0."""
-    out = {"diloco": PAPER, "eager": PAPER, "async-dn": PAPER, "sgd": (1.0, 0.0)}
+    """Best (outer lr, momentum) per mode from the sweep JSON (the paper's 0.7/0.9 where none ran).
+
+    ``diloco``: the best cell of the diloco sweep at H = 20 (extra lr cells included); ``nesterov``: the
+    best with momentum > 0; ``sgd``: the best with momentum 0 (outer SGD; lr 1 is FedAvg).
+    """
+    out = {"diloco": PAPER, "nesterov": PAPER, "eager": PAPER, "async-dn": PAPER, "sgd": (1.0, 0.0)}
     path = RESULTS / "convergence_sweep.json"
     if not path.exists():
         return out
     grids = json.loads(path.read_text())["grids"]
-    for mode in ("diloco", "eager", "async-dn"):
-        g = grids.get(f"{mode}-H{S.H}")
-        if g:
-            best = g["best"][mode]
-            out[mode] = (best["outer_lr"], best["outer_momentum"])
-    g = grids.get(f"diloco-H{S.H}")
-    if g:
-        sgd = [p for p in g["points"] if p["outer_momentum"] == 0.0]
-        if sgd:
-            b = min(sgd, key=lambda p: statistics.fmean(p["finals"]))
-            out["sgd"] = (b["outer_lr"], 0.0)
+    def cells(mode: str) -> list[dict]:
+        # Every grid of this mode at the tables' H ("diloco-H20", "diloco-H20-lr1.5", ...).
+        return [p for name, g in grids.items() if name.split("-H")[0] == mode
+                and name.split("-H")[1].split("-")[0] == str(S.H) for p in g["points"]]
+
+    def best_of(cells: list[dict]) -> tuple[float, float] | None:
+        if not cells:
+            return None
+        b = min(cells, key=lambda p: statistics.fmean(p["finals"]))
+        return (b["outer_lr"], b["outer_momentum"])
+
+    for mode in ("eager", "async-dn"):
+        out[mode] = best_of(cells(mode)) or out[mode]
+    points = cells("diloco")
+
+    out["diloco"] = best_of(points) or out["diloco"]
+    out["nesterov"] = best_of([p for p in points if p["outer_momentum"] > 0]) or out["nesterov"]
+    out["sgd"] = best_of([p for p in points if p["outer_momentum"] == 0]) or out["sgd"]
     return out
 
 
 def plan(rounds: int, best: dict[str, tuple[float, float]], codecs: bool) -> list[dict]:
-    """The table's runs: label, mode, workers, rounds, outer settings, speeds, codec; costliest first."""
+    """The table's runs: label, mode, workers, rounds, outer settings, speeds, codec.
+
+    The late-arrival pair runs at the best setting with momentum (the rules differ in how late work meets
+    the momentum). Every run gets every seed except the two costliest, 8 replicas and the 4x-longer single
+    worker, which get the first seed only (what fits 45 minutes on 2 shared cores).
+    """
     even = [1.0] * S.WORKERS
-    d, e, a, sgd = best["diloco"], best["eager"], best["async-dn"], best["sgd"]
+    d, e, a, sgd, nes = best["diloco"], best["eager"], best["async-dn"], best["sgd"], best["nesterov"]
     runs = [
         dict(label="single", mode="fedavg", workers=1, rounds=rounds, outer=(1.0, 0.0)),
-        dict(label="single-4x", mode="fedavg", workers=1, rounds=4 * rounds, outer=(1.0, 0.0)),
+        dict(label="single-4x", first_seed_only=True, mode="fedavg", workers=1, rounds=4 * rounds, outer=(1.0, 0.0)),
         dict(label="ddp", mode="ddp", workers=S.WORKERS, rounds=rounds, outer=d),
         dict(label="diloco-k1", mode="diloco", workers=1, rounds=rounds, outer=d),
         dict(label="diloco-k2", mode="diloco", workers=2, rounds=rounds, outer=d),
         dict(label="diloco", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=d, speeds=S.SPEEDS),
-        dict(label="diloco-k8", mode="diloco", workers=8, rounds=rounds, outer=d),
+        dict(label="diloco-k8", first_seed_only=True, mode="diloco", workers=8, rounds=rounds, outer=d),
         dict(label="diloco-paper", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=PAPER),
+        dict(label="nesterov", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=nes),
         dict(label="outer-sgd", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=sgd),
         dict(label="fedavg", mode="fedavg", workers=S.WORKERS, rounds=rounds, outer=(1.0, 0.0)),
         dict(label="eager", mode="eager", workers=S.WORKERS, rounds=rounds, outer=e, speeds=even),
         dict(label="async-dn", mode="async-dn", workers=S.WORKERS, rounds=rounds, outer=a, speeds=S.SPEEDS),
-        dict(label="late-p2p", mode="late-p2p", workers=S.WORKERS, rounds=rounds, outer=d, speeds=S.SPEEDS),
-        dict(label="late-server", mode="late-server", workers=S.WORKERS, rounds=rounds, outer=d,
+        dict(label="late-p2p", mode="late-p2p", workers=S.WORKERS, rounds=rounds, outer=nes, speeds=S.SPEEDS),
+        dict(label="late-server", mode="late-server", workers=S.WORKERS, rounds=rounds, outer=nes,
              speeds=S.SPEEDS),
     ]
     # Settings that coincide with another run's are not run twice (the table shows both labels).
-    if tuple(sgd) == (1.0, 0.0):
-        runs = [r for r in runs if r["label"] != "outer-sgd"]
-    if tuple(d) == PAPER:
-        runs = [r for r in runs if r["label"] != "diloco-paper"]
+    same = {"outer-sgd": tuple(sgd) in ((1.0, 0.0), tuple(d)), "diloco-paper": tuple(d) == PAPER,
+            "nesterov": tuple(nes) == tuple(d), "fedavg": tuple(d) == (1.0, 0.0)}
+    runs = [r for r in runs if not same.get(r["label"], False)]
     if codecs:
         runs += [dict(label=f"diloco-{c}", mode="diloco", workers=S.WORKERS, rounds=rounds, outer=d,
                       compression=c, first_seed_only=True) for c in ("fp16", "int8", "4bit")]
@@ -151,6 +167,8 @@ def time_to_reach(rounds: list[dict], target: float) -> float | None:
 
 
 def _pm(r: dict) -> str:
+    if len(r["per_seed_final"]) == 1:
+        return f"{r['final_eval_loss']:.4f} (seed {r['seeds'][0]} only)"
     return f"{r['final_eval_loss']:.4f} ± {r['std']:.4f}"
 
 
@@ -167,15 +185,16 @@ def figures(by: dict[str, dict]) -> list[tuple[str, str, str, bool | None]]:
         rows.append(("DiLoCo k=4 / data parallel, equal compute", "<= 1.03", f"{ratio:.3f}", ratio <= 1.03))
         rows.append(("data-parallel bytes / DiLoCo bytes", f">= H = {d['local_steps']}", f"{comm:.1f}",
                      comm >= d["local_steps"]))
-    fed = by.get("fedavg")
-    sgd = by.get("outer-sgd") or fed
-    if d and sgd:
-        name = (f"Nesterov (lr {d['outer_lr']:g}, mom {d['outer_momentum']:g}) vs outer SGD at its best lr "
-                f"({sgd['outer_lr']:g})")
+    fed = by.get("fedavg") or (d if d and (d["outer_lr"], d["outer_momentum"]) == (1.0, 0.0) else None)
+    sgd = by.get("outer-sgd") or (d if d and d["outer_momentum"] == 0 else None) or fed
+    nes = by.get("nesterov") or (d if d and d["outer_momentum"] > 0 else None)
+    if nes and sgd:
+        name = (f"Nesterov at its best (lr {nes['outer_lr']:g}, mom {nes['outer_momentum']:g}) vs outer SGD at "
+                f"its best lr ({sgd['outer_lr']:g})")
         if fed:
             name += f"; FedAvg (lr 1): {_pm(fed)}"
-        rows.append((name, "Nesterov lower", f"{_pm(d)} vs {_pm(sgd)}",
-                     d["final_eval_loss"] < sgd["final_eval_loss"]))
+        rows.append((name, "Nesterov lower", f"{_pm(nes)} vs {_pm(sgd)}",
+                     nes["final_eval_loss"] < sgd["final_eval_loss"]))
     e = by.get("eager")
     if d and e:
         rel = e["final_eval_loss"] / d["final_eval_loss"] - 1
@@ -210,7 +229,8 @@ def write_report(payload: dict) -> None:
         f"embedded corpus, H = {S.H}, {payload['rounds']} rounds = {payload['rounds'] * S.H} inner steps per worker, "
         f"inner AdamW lr {S.INNER_LR:g} (warmup {S.WARMUP}, cosine over the run), seeds {payload['seeds']} "
         f"(mean ± std). Outer settings from the sweep at this H and k = 4 (lr, momentum): diloco {t['diloco']}, "
-        f"eager {t['eager']}, async-dn {t['async-dn']}, outer SGD {t['sgd']}. Measured on {payload['hardware']} "
+        f"best with momentum {t['nesterov']}, best outer SGD {t['sgd']}, eager {t['eager']}, async-dn "
+        f"{t['async-dn']}. Measured on {payload['hardware']} "
         f"in {payload['wall_s'] / 60:.0f} min ({payload['jobs']} processes).",
         "",
         "| run | k | outer lr, mom | final eval loss | inner steps (all workers) | virtual time (s) "
@@ -218,7 +238,8 @@ def write_report(payload: dict) -> None:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in payload["runs"]:
-        lines.append(f"| {r['label']} | {r['workers']} | {r['outer_lr']:g}, {r['outer_momentum']:g} | {_pm(r)} | "
+        outer = "-" if r["mode"] == "ddp" else f"{r['outer_lr']:g}, {r['outer_momentum']:g}"
+        lines.append(f"| {r['label']} | {r['workers']} | {outer} | {_pm(r)} | "
                      f"{r['total_inner_steps']} | {r['virtual_time_s']:.0f} | "
                      f"{r['total_bytes_sent_per_worker'] / 1e6:.2f} |")
     lines += ["", "| figure | target | measured | met |", "| --- | --- | --- | --- |"]
@@ -226,7 +247,59 @@ def write_report(payload: dict) -> None:
         lines.append(f"| {name} | {target} | {measured} | {'yes' if met else 'no' if met is False else '-'} |")
     lines += ["", "![replicas at equal per-worker steps](benchmarks/results/convergence.png)",
               "![modes against virtual time](benchmarks/results/convergence_time.png)"]
+    lines += sweep_lines() + cause_lines()
     replace_section(ROOT / "BENCHMARKS.md", "convergence", "\n".join(lines))
+
+
+def sweep_lines() -> list[str]:
+    """The sweeps (``convergence_sweep.json``): every cell, the best per grid and its neighbours."""
+    path = RESULTS / "convergence_sweep.json"
+    if not path.exists():
+        return []
+    grids = json.loads(path.read_text())["grids"]
+    out = ["", "### Outer settings sweeps", "",
+           f"`benchmarks/convergence_sweep.py`: the same model and data, k = {S.WORKERS}, "
+           f"{S.SWEEP_ROUNDS * S.H} inner steps per worker (rounds = {S.SWEEP_ROUNDS * S.H} / H), final eval loss "
+           "per cell (seeds as listed; mean when more than one). Effective outer step = lr / (1 - momentum).", "",
+           "| grid | seeds | outer lr | momentum | effective step | final eval loss | best |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, g in grids.items():
+        mode = name.split("-H")[0]
+        best = g["best"][mode]
+        for p in g["points"]:
+            eff = p["outer_lr"] / (1 - p["outer_momentum"])
+            star = "best" if (p["outer_lr"], p["outer_momentum"]) == (best["outer_lr"], best["outer_momentum"]) else ""
+            out.append(f"| {name} | {g['seeds']} | {p['outer_lr']:g} | {p['outer_momentum']:g} | {eff:.2f} | "
+                       f"{statistics.fmean(p['finals']):.4f} | {star} |")
+    out += ["", "| grid | best (lr, momentum) | final eval loss | neighbours (relative loss) |",
+            "| --- | --- | --- | --- |"]
+    for name, g in grids.items():
+        mode = name.split("-H")[0]
+        b = g["best"][mode]
+        sens = ", ".join(f"{k} {v * 100:+.1f}%" for k, v in b["sensitivity"].items()) or "-"
+        out.append(f"| {name} | {b['outer_lr']:g}, {b['outer_momentum']:g} | {b['mean']:.4f} | {sens} |")
+    return out
+
+
+def cause_lines() -> list[str]:
+    """The cause measurement (``convergence_cause.jsonl``): final loss and the outer step's amplification."""
+    path = RESULTS / "convergence_cause.jsonl"
+    if not path.exists():
+        return []
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = ["", "### Why the old table had DiLoCo behind one worker", "",
+           "`benchmarks/convergence_cause.py` (tiny, batch 8 x 64, H = 20, 20 rounds = 400 inner steps per worker, "
+           "seed 0): amplification = how far the outer step moved the parameters over the norm of the averaged "
+           "pseudo-gradient (1 for FedAvg); agreement = cosine between consecutive rounds' averaged "
+           "pseudo-gradients.", "",
+           "| run | k | outer lr, mom | final eval loss | amplification, rounds 1 / 10 / 20 "
+           "| agreement, rounds 2 / 10 / 20 |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        recs = r["recs"]
+        amp = " / ".join(f"{recs[i]['amp']:.1f}" for i in (0, len(recs) // 2 - 1, len(recs) - 1))
+        agree = " / ".join(f"{recs[i]['cos_prev']:.2f}" for i in (1, len(recs) // 2 - 1, len(recs) - 1))
+        out.append(f"| {r['label']} | {r['k']} | {r['olr']:g}, {r['mom']:g} | {r['final']:.4f} | {amp} | {agree} |")
+    return out
 
 
 def plot(payload: dict) -> None:

@@ -148,15 +148,36 @@ class OuterConfig:
     """The outer optimizer and the round structure shared by the swarm."""
 
     local_steps: int = 500
-    """Inner steps per round for the fastest peer (H). Slower peers run fewer (DyLU). Larger H means less
-    communication; the DiLoCo paper uses 500. Pick H so a round takes well over the all-reduce time."""
+    """Inner steps per round for the fastest peer (H). Slower peers run fewer (DyLU). A round sends one
+    pseudo-gradient, so the bytes per inner step fall as 1/H; pick H so a round takes well over the all-reduce
+    time (about 10x with overlap 'none', about 1x with 'eager'). The DiLoCo paper uses 500.
+
+    H also decides which outer lr and momentum work. The paper's 0.7 / 0.9 were tuned at H = 500 (150M
+    model, k = 8). At small H consecutive rounds' pseudo-gradients point the same way (cosine 0.5-0.8 measured
+    at H = 20, k = 4) and momentum compounds them, so the outer step must be smaller: see ``lr``. Before a
+    run, ``python -m p2p_diloco.simulate sweep --local-steps H --workers k`` finds the outer settings for
+    your H and k on a small proxy model (they transfer across model sizes; see that command's help)."""
 
     lr: float = field(default=0.7, metadata={"flag": "outer-lr"})
-    """Outer learning rate. 0.7 with Nesterov momentum 0.9 was robust in the DiLoCo paper; 1.0 with no
-    momentum is FedAvg."""
+    """Outer learning rate η. When consecutive rounds agree, the outer step moves the shared parameters by up
+    to about η / (1 − μ) times the averaged pseudo-gradient (μ = ``momentum``): the *effective outer step*.
+    1 means "go to the peers' average" (η = 1, μ = 0 is FedAvg). How to choose:
+
+    - H about 500, hundreds of rounds (the paper's regime): η = 0.7 with μ = 0.9, the default.
+    - Small H (tens of steps) or few rounds: keep η / (1 − μ) near 1. Measured on the tiny preset, k = 4,
+      H = 20, 10 rounds (BENCHMARKS.md, "Convergence"): η = 1, μ = 0 was best; effective steps 0.7-0.75 cost
+      about 1.5%, 1.75-3 cost 2-6%, and the paper's 0.7 / 0.9 (effective 7) cost 10%. With 0.7 / 0.9 the outer
+      step moved the parameters 6-7x as far as the averaged pseudo-gradient by the last round, undoing the
+      inner lr's cosine decay: even a single worker ended 11% above plain training.
+    - Check your own H and k with ``python -m p2p_diloco.simulate sweep``; lower η when a sweep's best sits
+      at its largest momentum, raise it toward 1 when momentum is 0."""
 
     momentum: float = field(default=0.9, metadata={"flag": "outer-momentum"})
-    """Outer Nesterov momentum; 0 turns the outer step into plain SGD."""
+    """Outer Nesterov momentum μ; 0 turns the outer step into plain SGD (FedAvg with lr 1). Momentum re-applies
+    each round's pseudo-gradient about 1/(1 − μ) times over the following rounds (10 at 0.9), so it pays off
+    over many rounds and amplifies a direction that repeats round after round (small H). The paper's 0.9 suits
+    H about 500 and hundreds of rounds; at H = 20 over 10 rounds momentum did not help in our sweep, and at
+    μ = 0.9 the best lr was 0.3. When you change μ, keep lr / (1 − μ) about the same. Keep μ below 1."""
 
     min_local_steps: int = 5
     """Floor on a slow peer's DyLU step count, so that its contribution is worth the round trip."""

@@ -28,7 +28,12 @@ from p2p_diloco.simulate.modes import run
 logger = logging.getLogger(__name__)
 PROG = "p2p_diloco.simulate"
 # The simulator's defaults suit the tiny preset on a CPU; every TrainConfig flag can override them.
+# Outer lr 1 / momentum 0: the best cell of the H = 20, k = 4, 10-round sweep on the tiny preset
+# (BENCHMARKS.md, "Convergence"); the paper's 0.7 / 0.9 (TrainConfig's defaults, for H about 500) ended
+# 10% worse there. Other H or k: run `python -m p2p_diloco.simulate sweep`.
 DEFAULTS = {
+    "outer.lr": 1.0,
+    "outer.momentum": 0.0,
     "inner.lr": 1e-3,
     "inner.warmup_steps": 20,
     "inner.batch_size": 8,

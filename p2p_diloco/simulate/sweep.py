@@ -40,6 +40,14 @@ from p2p_diloco.simulate.engine import SimConfig
 
 logger = logging.getLogger(__name__)
 PROG = "p2p_diloco.simulate sweep"
+TRANSFER = (
+    "Why a small proxy can guide a large run: the DiLoCo scaling-law study (Charles et al. 2025, arXiv "
+    "2503.09799; 35M-2.4B parameters) found DiLoCo's hyperparameters transfer across model sizes, while the "
+    "best outer lr depends on the number of replicas (k) and on H, so sweep at the k and H you will use. "
+    "Limits: one architecture family and data set, each size with its inner lr tuned, hundreds of outer "
+    "steps; a proxy of a few rounds on the embedded corpus locates the good region of the grid, not the "
+    "third digit. Prefer a flat optimum (small 'neighbours' numbers) and as many rounds as you can afford."
+)
 SWEEP_MODES = ("diloco", "eager", "async-dn")
 DEFAULT_LRS = (0.2, 0.4, 0.7, 1.0)
 DEFAULT_MOMENTA = (0.0, 0.5, 0.8, 0.9)
@@ -229,6 +237,7 @@ def plot(result: SweepResult, path: Path) -> None:
 
 def main(argv: Sequence[str] | None, defaults: dict) -> int:
     parser = make_parser(PROG, __doc__.splitlines()[0], TrainConfig)
+    parser.epilog = TRANSFER
     parser.add_argument("--modes", nargs="+", default=["diloco"], help=f"modes to sweep: {', '.join(SWEEP_MODES)}")
     parser.add_argument("--workers", type=int, default=4, help="k, the number of peers of your real run")
     parser.add_argument("--rounds", type=int, default=10,
