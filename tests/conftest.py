@@ -18,6 +18,10 @@ if os.environ.get("CI"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A multi-peer test runs several trainers (and their averager processes) on a machine of a few cores: one
+# intra-op thread each avoids oversubscribing them, and the tests' tiny models gain nothing from more.
+# Set before torch is first imported (here and in every process the tests start, which inherit it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Every process this test run starts inherits this tag, so that processes orphaned when a test killed
 # their parent (a peer's DHT, averager and p2pd after SIGKILL) are still found and reaped.
