@@ -50,7 +50,9 @@ def test_presets_sizes_and_same_seed_same_weights() -> None:
     small = build_model("small", 259, 64)
     assert 15e6 < count_parameters(small) < 30e6
     assert model_fingerprint(small, "small") != model_fingerprint(tiny_a, "tiny")
-    assert set(PRESETS) == {"tiny", "small", "150m"}
+    mini = build_model("mini", 259, 64)
+    assert 3e6 < count_parameters(mini) < 7e6
+    assert set(PRESETS) == {"tiny", "mini", "small", "150m"}
 
 
 def test_unloadable_model_is_a_clear_error(tmp_path) -> None:
