@@ -179,7 +179,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         default = leaf.field.default
         if default is dataclasses.MISSING and leaf.field.default_factory is not dataclasses.MISSING:
             default = leaf.field.default_factory()
-        help_text = f"{leaf.help} [default: {default!r}; env {leaf.env}]"
+        # argparse %-formats help strings; a docstring's own "%" (e.g. "costs 10%") must stay literal
+        help_text = f"{leaf.help} [default: {default!r}; env {leaf.env}]".replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": leaf.dotted, "default": argparse.SUPPRESS, "help": help_text,
                                   "metavar": leaf.flag.replace("-", "_").upper()}
         if ann is bool:
