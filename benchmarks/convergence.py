@@ -349,6 +349,8 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="processes (one torch thread each)")
     parser.add_argument("--codecs", action="store_true", help="add fp16/int8/4bit DiLoCo runs (first seed only)")
     parser.add_argument("--only", nargs="*", default=None, help="labels to run (default: all)")
+    parser.add_argument("--out", default=None, metavar="NAME",
+                        help="write results/NAME.json only (no plots, no BENCHMARKS.md), e.g. a longer horizon")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -377,9 +379,12 @@ def main() -> int:
         "wall_s": time.time() - started, "runs": summaries,
         "per_seed": {k: v for k, v in results.items()},
     }
-    (RESULTS / "convergence.json").write_text(json.dumps(payload, indent=1))
-    plot(payload)
-    write_report(payload)
+    if args.out:
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(payload, indent=1))
+    else:
+        (RESULTS / "convergence.json").write_text(json.dumps(payload, indent=1))
+        plot(payload)
+        write_report(payload)
     for row in figures({r["label"]: r for r in summaries}):
         print(" | ".join(str(x) for x in row))
     return 0

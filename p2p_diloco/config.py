@@ -169,6 +169,10 @@ class OuterConfig:
       about 1.5%, 1.75-3 cost 2-6%, and the paper's 0.7 / 0.9 (effective 7) cost 10%. With 0.7 / 0.9 the outer
       step moved the parameters 6-7x as far as the averaged pseudo-gradient by the last round, undoing the
       inner lr's cosine decay: even a single worker ended 11% above plain training.
+    - How it moves with H (same model, k = 4, 200 steps per worker, momentum 0, one seed): the best η was 1
+      at H = 5, 20 and 50; η = 1.5 cost 4.6%, 3.5% and 1.4%, η = 0.5 cost 5.0% at H = 5 and 7.1% at H = 50.
+      Longer rounds tolerate, and slowly favour, a larger outer step. How it moves with k was not swept
+      here; the DiLoCo scaling-law study reports that it depends on k, so sweep at your k.
     - Check your own H and k with ``python -m p2p_diloco.simulate sweep``; lower η when a sweep's best sits
       at its largest momentum, raise it toward 1 when momentum is 0."""
 
