@@ -86,12 +86,11 @@ class EarlyAssembly:
             return  # nobody else is known to be due: the window decides, as it always did
         began = time.monotonic()
         joined = self._joined = self._joined or asyncio.Event()
-        joined.clear()
         while True:
             await joined.wait()
             joined.clear()
             async with matchmaking.lock_request_join_group:
-                if matchmaking.assembled_group.done():
+                if not matchmaking.is_looking_for_group or matchmaking.assembled_group.done():
                     return
                 if matchmaking.current_leader is not None:
                     continue  # we follow another leader now: it decides
@@ -100,6 +99,10 @@ class EarlyAssembly:
                     continue
                 logger.info("Every due peer joined after %.2f s: forming the group of %d now",
                             time.monotonic() - began, len(members))
+                try:
+                    await matchmaking.leader_assemble_group()
+                except Exception as e:  # noqa: BLE001 - the window then decides, as it always did
+                    logger.warning("Could not form the group early: %r", e)
+                    return
                 formed.early = True
-                await matchmaking.leader_assemble_group()
                 return

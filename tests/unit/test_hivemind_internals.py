@@ -57,6 +57,7 @@ FIELDS = [
     (Matchmaking, "assembled_group", "swarm/quorum.py"),
     (Matchmaking, "current_leader", "swarm/quorum.py"),
     (Matchmaking, "current_followers", "swarm/quorum.py"),
+    (Matchmaking, "is_looking_for_group", "swarm/quorum.py"),
     (AllReduceRunner, "_future", "swarm/runner.py"),
     (AllReduceRunner, "tensor_part_container", "swarm/runner.py"),
     (TensorPartContainer, "_input_parts_by_peer", "swarm/runner.py, swarm/verify.py"),
