@@ -212,7 +212,7 @@ class RoundDriver:
         epoch = self.state.epoch
         self.port.averaging(epoch)
         # Wait for the previous round at most one inner phase, and never less than the matchmaking window:
-        # a round shorter than that window cannot hide an all-reduce anyway.
+        # its group forms once every due peer joined, but waits up to that window for a straggler.
         got = self.port.collect(epoch - 1, max(inner_seconds, self.matchmaking_time_s))
         report.blocked_seconds = got.waited_s
         if got.folded_stale:

@@ -91,6 +91,12 @@ class RoundResult:
     allreduce_seconds: float = 0.0
     wait_seconds: float = 0.0
     """Time spent finding the group (matchmaking)."""
+    due_members: int = 0
+    """Peers (this one included) verified due in this round when it began; 0 when none were known."""
+    cut_members: int = 0
+    """Of those, how many are not in this peer's group (stragglers the window left out)."""
+    formed_early: bool = False
+    """This peer led the group and formed it before its window ended: every due peer had joined."""
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -287,6 +293,14 @@ class RoundReport:
     inner_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     wait_seconds: float = 0.0
+    """How long this round's matchmaking took (at most the ``matchmaking_time_s`` window when leading,
+    less once every due peer joined)."""
+    due_members: int = 0
+    """Peers verified due in the round (signed, unexpired progress records of its epoch), this one included."""
+    cut_members: int = 0
+    """Due peers the round's group left out."""
+    formed_early: bool = False
+    """This peer led the group and formed it before the window ended, every due peer having joined."""
     bytes_sent: int = 0
     bytes_received: int = 0
     train_loss: float = float("nan")
@@ -313,6 +327,8 @@ class RoundReport:
         self.weights = [w + s for w, s in zip(result.weights, result.stale_weights, strict=True)]
         self.staleness = list(result.stalenesses)
         self.allreduce_seconds, self.wait_seconds = result.allreduce_seconds, result.wait_seconds
+        self.due_members, self.cut_members = result.due_members, result.cut_members
+        self.formed_early = result.formed_early
         self.bytes_sent, self.bytes_received = result.bytes_sent, result.bytes_received
         if rejected:
             self.rejected = list(result.rejected)

@@ -110,6 +110,12 @@ class PeerMetrics(SessionListener):
         self.wait_seconds = Histogram(PREFIX + "matchmaking_wait_seconds",
                                       "Time spent finding a group before the all-reduce.",
                                       buckets=WAIT_BUCKETS, registry=r)
+        self.cut_members = Counter(PREFIX + "matchmaking_cut_members",
+                                   "Peers verified due in a round that its group left out (stragglers past "
+                                   "the matchmaking window).", registry=r)
+        self.formed_early = Counter(PREFIX + "matchmaking_formed_early",
+                                    "Rounds this peer's group formed before the window ended, every due peer "
+                                    "having joined.", registry=r)
         self.blocked_seconds = Histogram(PREFIX + "network_blocked_seconds",
                                          "Time training waited for the network in a round.",
                                          buckets=ALLREDUCE_BUCKETS, registry=r)
@@ -190,6 +196,9 @@ class PeerMetrics(SessionListener):
             self.blocked_seconds.observe(max(0.0, float(blocked)))
         if report.wait_seconds > 0:
             self.wait_seconds.observe(max(0.0, report.wait_seconds))
+        self.cut_members.inc(max(0, int(getattr(report, "cut_members", 0))))
+        if getattr(report, "formed_early", False):
+            self.formed_early.inc()
         self.sent.labels(self.codec).inc(max(0, int(report.bytes_sent)))
         self.received.labels(self.codec).inc(max(0, int(report.bytes_received)))
         if report.late_folded:

@@ -16,6 +16,7 @@ from hivemind.proto import averaging_pb2
 
 from p2p_diloco.swarm.group import decode_gather
 from p2p_diloco.swarm.patience import JoinTiming
+from p2p_diloco.swarm.quorum import EarlyAssembly
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class AccessControlMixin:
     _allowed: frozenset[str] | None = None
     _banned: dict[str, str]
     _join_timing: JoinTiming
+    _early: EarlyAssembly
     peer_id: PeerID
 
     def _ban(self, rejected: dict[str, str]) -> list[str]:
@@ -103,6 +105,8 @@ class AccessControlMixin:
             return
         with self._join_timing.leader_view(request) as view:
             async for response in super().rpc_join_group(view, context):  # type: ignore[misc]
+                if response.code == averaging_pb2.ACCEPTED:
+                    self._early.follower_joined()
                 yield response
 
     async def rpc_aggregate_part(

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import hivemind
@@ -48,6 +48,7 @@ from p2p_diloco.swarm.group import (
     plan_group,
 )
 from p2p_diloco.swarm.patience import JoinTiming
+from p2p_diloco.swarm.quorum import EarlyAssembly, Formed
 from p2p_diloco.swarm.registry import GroupRegistryMixin
 from p2p_diloco.swarm.runner import (
     ByteCounter,
@@ -134,6 +135,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
         self._join_timing = JoinTiming(cfg.request_timeout_s)
+        self._early = EarlyAssembly(cfg.min_group_size)
         super().__init__(
             buffers,
             dht,
@@ -177,6 +179,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         epoch: int,
         stale: Sequence[torch.Tensor] | None = None,
         stale_weight: float = 0.0,
+        due: Collection[str] = (),
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
         ``matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s`` (plus a few seconds; the
@@ -189,6 +192,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         :param epoch: the round's epoch; only members announcing the same epoch are averaged together.
         :param stale: an older pseudo-gradient being folded into this round, or ``None``.
         :param stale_weight: its effective weight (the caller's discount already applied).
+        :param due: base58 ids of the peers verified due in this round (``quorum.due_peers`` of the signed
+          progress records); when this peer leads and all of them joined, the group forms before the
+          ``matchmaking_time_s`` window ends. Empty: the window decides.
         """
         if fresh is not None:
             self._check_tensors("fresh", fresh)
@@ -225,7 +231,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                 for src, dst in zip(source or (), target, strict=False):
                     dst.copy_(src.detach())
         try:
-            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info))
+            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info), tuple(due))
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
@@ -263,7 +269,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         finally:
             self.lock_averaged_tensors.release()
 
-    def _begin_step(self, data_for_gather: bytes) -> StepControl:
+    def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...] = ()) -> StepControl:
         """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round."""
         now = get_dht_time()
         control = StepControl(
@@ -274,7 +280,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             data_for_gather=data_for_gather,
         )
         future_for_init = MPFuture()
-        self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init)))
+        self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due)))
         control.attach(*future_for_init.result(timeout=self.cfg.startup_timeout_s))
         control.allow_allreduce()
         return control
@@ -302,11 +308,12 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
 
     # ------------------------------------------------------ averager process side
 
-    async def _step(self, *, step: StepControl, future_for_init: MPFuture) -> None:
+    async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = ()) -> None:
         """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
-        scaled, and the caller prefers a prompt "skipped" to a late round anyway.
+        scaled, and the caller prefers a prompt "skipped" to a late round anyway. Beside the search runs
+        ``quorum.EarlyAssembly``: a leader forms its group as soon as every peer in ``due`` joined.
         """
         began = time.monotonic()
         self._guard_leaders()
@@ -319,9 +326,14 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             future_for_init.set_result((trigger, cancel))
             self._pending_groups_registered.clear()
             step.stage = AveragingStage.LOOKING_FOR_GROUP
+            formed = Formed()
             matchmaking = asyncio.create_task(self._matchmaking.look_for_group(step))
+            early = asyncio.create_task(self._early.watch(self._matchmaking, self.peer_id.to_base58(), due, formed))
             cancelled = asyncio.create_task(step.wait_for_cancel())
-            await asyncio.wait({matchmaking, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({matchmaking, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                early.cancel()
             if step.cancelled():
                 matchmaking.cancel()
                 return
@@ -330,8 +342,10 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             waited = time.monotonic() - began
             if group_info is None:
                 step.set_result(RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s",
-                                            wait_seconds=waited))
+                                            wait_seconds=waited, due_members=formed.due,
+                                            cut_members=max(0, formed.due - 1)))
                 return
+            members = {peer.to_base58() for peer in group_info.peer_ids}
             await step.wait_for_trigger()
             with self._register_allreduce_group(group_info):
                 step.stage = AveragingStage.RUNNING_ALLREDUCE
@@ -347,6 +361,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                     logger.warning("All-reduce of round %s timed out: %s", group_info.group_id.hex()[:8], stuck)
                     result.skip("all-reduce did not finish within allreduce_timeout_s")
             result.wait_seconds = waited
+            result.due_members, result.formed_early = formed.due, formed.early
+            result.cut_members = len((set(due) | {self.peer_id.to_base58()}) - members) if formed.due else 0
             step.set_result(result)
         except Exception as e:
             logger.warning("Averaging round failed: %r", e)

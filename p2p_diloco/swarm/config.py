@@ -162,8 +162,12 @@ class SwarmConfig:
     Raise it to make each round average over more data at the cost of more skipped rounds."""
 
     matchmaking_time_s: float = 15.0
-    """How long a group leader keeps accepting members before it starts the round, 0.5-600 s. Choose about the
-    spread of peers' arrival times plus a few DHT round trips: 15 s on home links, 2 s on loopback."""
+    """The longest a group leader keeps accepting members before it starts the round, 0.5-600 s. The group
+    forms sooner, as soon as every peer due this round (by the signed progress records the leader read) has
+    joined; the window only waits for stragglers, and for peers whose records claim a round they never join.
+    Choose about the spread of peers' arrival times plus a few DHT round trips: 15 s on home links, 2 s on
+    loopback. Longer keeps slow peers in their rounds, at the cost of rounds that wait for peers gone silent
+    (their records expire after ``progress_ttl_s``)."""
 
     matchmaking_timeout_s: float = 60.0
     """Total time to look for a group before the round is skipped, 1-3600 s. Must exceed ``matchmaking_time_s``

@@ -20,6 +20,7 @@ from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.checksum import params_sha256
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import (
     PeerProgress,
     fetch_progress,
@@ -54,6 +55,8 @@ class Swarm:
         self.averager: RoundAverager | None = None
         self.server: StateServer | None = None
         self.audit: RecordAudit | None = None
+        self._seen: list[PeerProgress] = []
+        """The progress records :meth:`records` read last: who is due in the next round."""
 
     def start(self) -> None:
         self.dht = start_dht(self.cfg, record_validators=[run_validator(self.cfg.run_id)])
@@ -91,6 +94,7 @@ class Swarm:
         records = [r for r in fetch_progress(self.dht, self.cfg.run_id) if r.fingerprint == self.fingerprint]
         for peer, reason in self.audit.take_bans().items():  # the readers skip them already
             self.averager.ban(peer, reason)
+        self._seen = records
         return records
 
     def take_record_report(self) -> tuple[dict[str, int], list[str]]:
@@ -132,4 +136,7 @@ class Swarm:
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
-        return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight)
+        """One round; the group forms as soon as every peer due in it has joined. Who is due comes from the
+        records the round policy's observation just read (:meth:`records`), see ``swarm.quorum``."""
+        return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight,
+                                     due=due_peers(self._seen, epoch))

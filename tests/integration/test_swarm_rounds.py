@@ -78,6 +78,20 @@ def test_three_peers_get_the_same_exact_weighted_mean(swarm: Swarm) -> None:
     assert len({r["fresh_sha"] for r in results}) == 1
 
 
+def test_group_forms_once_every_due_peer_joined_not_at_the_window_end(swarm: Swarm) -> None:
+    # A 60 s window that the round must not wait out: each peer's process is given 50 s (swarm.result).
+    cfg = _cfg(matchmaking_time_s=60.0, matchmaking_timeout_s=90.0)
+    peers = [swarm.spawn(f"p{i}", role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, fresh=float(i),
+                         weight=1.0, expect_due=True) for i in range(2)]
+    swarm.wait_ready()
+    results = [swarm.result(p) for p in peers]
+    for result in results:
+        assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
+        assert (result["group_size"], result["due_members"], result["cut_members"]) == (2, 2, 0), result
+        assert result["wait_seconds"] < 30.0, result
+    assert sorted(r["formed_early"] for r in results) == [False, True], "the leader formed it, early"
+
+
 def test_lossy_codec_keeps_results_bitwise_identical_across_peers(swarm: Swarm) -> None:
     cfg = _cfg(min_group_size=3, target_group_size=3)
     common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, compression="float16")

@@ -3,7 +3,8 @@
 Usage: python tests/swarm_helpers/peer.py SPEC.json
 
 Roles:
-- "average": join one averaging round and write the RoundResult as JSON;
+- "average": join one averaging round and write the RoundResult as JSON (with ``expect_due``, it first
+  publishes its progress record, and the round waits for the peers due by the records it reads);
 - "donor": serve a (possibly corrupted, for tests) state until ``stop_path`` exists;
 - "joiner": download and verify the swarm's state and write what it got.
 
@@ -29,7 +30,8 @@ from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.checksum import params_sha256
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
-from p2p_diloco.swarm.records import publish_checksum, publish_progress, run_validator
+from p2p_diloco.swarm.quorum import due_peers
+from p2p_diloco.swarm.records import fetch_progress, publish_checksum, publish_progress, run_validator
 from p2p_diloco.swarm.state import StateServer, download_state, make_state_metadata
 
 MAX_WAIT_S = 60.0
@@ -100,6 +102,10 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
     stale = pattern(shapes, spec["stale"]) if spec.get("stale") is not None else None
     if spec.get("claim_fingerprint"):
         averager.fingerprint = spec["claim_fingerprint"]  # lies in the gathered metadata only
+    due: frozenset[str] = frozenset()
+    if spec.get("expect_due"):  # as Swarm.average does, from the records of this run and model
+        records = [r for r in fetch_progress(averager.dht, averager.cfg.run_id) if r.fingerprint == spec["fingerprint"]]
+        due = due_peers(records, spec.get("epoch", 0))
     result = averager.average(
         fresh,
         weight=spec.get("weight", 1.0),
@@ -107,6 +113,7 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
         epoch=spec.get("epoch", 0),
         stale=stale,
         stale_weight=spec.get("stale_weight", 0.0),
+        due=due,
     )
     return dict(
         outcome=result.outcome,
@@ -126,6 +133,9 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
         bytes_received=result.bytes_received,
         allreduce_seconds=result.allreduce_seconds,
         wait_seconds=result.wait_seconds,
+        due_members=result.due_members,
+        cut_members=result.cut_members,
+        formed_early=result.formed_early,
     )
 
 
@@ -179,6 +189,9 @@ def main() -> None:
     )
     out: dict[str, Any] = dict(peer_id=dht.peer_id.to_base58(), maddrs=visible_maddrs(dht))
     role = spec["role"]
+    if spec.get("expect_due"):
+        publish_progress(dht, cfg.run_id, epoch=spec.get("epoch", 0), inner_step=0, steps_per_s=1.0,
+                         samples_per_s=1.0, tokens_per_s=1.0, fingerprint=spec["fingerprint"])
     if role == "donor":
         serve_state(spec, averager)
         out["declared"] = wait_until_declared(averager)

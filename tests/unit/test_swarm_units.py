@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from swarm_helpers.harness import SHARED_MEMORY_KEEPALIVE
 from p2p_diloco.swarm import SwarmConfig, global_epoch, layout_fingerprint, params_sha256
 from p2p_diloco.swarm.group import MemberInfo, decode_gather, encode_gather, plan_group
 from p2p_diloco.swarm.patience import JoinTiming
+from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import PeerProgress
 
 assert SHARED_MEMORY_KEEPALIVE.is_shared()
@@ -219,6 +221,14 @@ def test_gather_envelope_validation() -> None:
 
 def _progress(epoch: int, client: bool = False, fingerprint: str = "abcdef0123456789") -> PeerProgress:
     return PeerProgress("peer", epoch, 0, 1.0, 1.0, 1.0, fingerprint, 0.0, client, math.inf)
+
+
+def test_due_peers_are_those_within_one_epoch_of_the_round_clients_included() -> None:
+    records = [dataclasses.replace(_progress(epoch, client=client), peer_id=name)
+               for name, epoch, client in [("behind", 3, False), ("training", 4, False), ("stepped", 5, True),
+                                           ("gone", 2, False), ("ahead", 6, False)]]
+    assert due_peers(records, 4) == {"behind", "training", "stepped"}
+    assert due_peers([], 4) == frozenset()
 
 
 def test_global_epoch_is_the_max_of_non_client_peers_with_optional_quorum() -> None:
