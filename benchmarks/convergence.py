@@ -332,7 +332,7 @@ def plot(payload: dict) -> None:
     for label in ("diloco", "eager", "async-dn", "late-p2p", "late-server", "ddp"):
         if label in by:
             curve(ax, by[label], "virtual_time_s", label)
-    ax.set_xlabel("virtual time (s), speeds [1, 1, 1, 0.4] (eager: all 1)")
+    ax.set_xlabel("virtual time (s), speeds [1, 1, 1, 0.4] (eager and ddp: all 1)")
     ax.set_ylabel("eval loss (mean over seeds)")
     ax.set_ylim(top=3.2)
     ax.legend(fontsize=8)
