@@ -281,7 +281,18 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         )
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due)))
-        control.attach(*future_for_init.result(timeout=self.cfg.startup_timeout_s))
+        try:
+            trigger, cancel = future_for_init.result(timeout=self.cfg.startup_timeout_s)
+        except BaseException:
+            # The averager process did not take the step (it is shutting down, or stuck). hivemind's
+            # ``StepControl.__del__`` asserts that a trigger is attached, so a control dropped bare prints a
+            # traceback at exit; give it spent futures so it dies quietly, and let the caller skip the round.
+            trigger, cancel = MPFuture(), MPFuture()
+            trigger.set_result(None)
+            cancel.set_result(None)
+            control.attach(trigger, cancel)
+            raise
+        control.attach(trigger, cancel)
         control.allow_allreduce()
         return control
 

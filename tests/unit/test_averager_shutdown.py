@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
+import sys
 
 import torch
 from swarm_helpers.harness import SHARED_MEMORY_KEEPALIVE
 
+from p2p_diloco.core.rounds import Outcome
 from p2p_diloco.swarm import SwarmConfig, start_dht
 from p2p_diloco.swarm.averager import RoundAverager
 
@@ -43,3 +46,28 @@ def test_shutdown_after_the_averager_process_died_logs_no_error() -> None:
         for logger in loggers:
             logger.removeHandler(errors)
     assert errors.messages == []
+
+
+def test_a_round_the_averager_process_never_takes_is_skipped_without_a_traceback_at_exit() -> None:
+    # A peer stopped mid-round: its averager process stops answering before the step is handed over. hivemind's
+    # StepControl asserts in __del__ that it was given a trigger; left bare it prints a traceback when collected.
+    unraisable: list[str] = []
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = lambda hook_args: unraisable.append(repr(hook_args.exc_value))
+    cfg = SwarmConfig.for_loopback(startup_timeout_s=1.0)
+    dht = start_dht(cfg)
+    try:
+        averager = RoundAverager([torch.zeros(8)], dht, cfg, fingerprint="ab" * 8)
+        os.kill(averager.pid, signal.SIGSTOP)  # alive, but it takes no step
+        try:
+            result = averager.average([torch.ones(8)], weight=1.0, staleness=0, epoch=0)
+        finally:
+            os.kill(averager.pid, signal.SIGCONT)
+        assert result.outcome is Outcome.SKIPPED and "could not start the round" in result.reason
+        del result
+        gc.collect()
+        averager.shutdown()
+    finally:
+        dht.shutdown()
+        sys.unraisablehook = previous_hook
+    assert unraisable == []
