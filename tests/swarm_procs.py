@@ -44,6 +44,11 @@ def check_rounds(rounds: dict[str, list[dict]]) -> None:
         for r in rows:
             assert r["outcome"] in (*SYNCED, "skipped"), (name, r)
             assert r["wait_seconds"] + r["allreduce_seconds"] <= ROUND_BUDGET_S, (name, r)
+            # learned deadlines stay within the flags (0: no round ran, e.g. a resync)
+            assert 0 <= r["window_s"] <= 3 and 0 <= r["allreduce_deadline_s"] <= 30, (name, r)
+        if sum(r["outcome"] == "averaged" for r in rows) >= 4:
+            # all-reduces of well under a second: the deadline drops to its floor, 2 x --next-chunk-timeout-s
+            assert any(r["allreduce_deadline_s"] == 20 for r in rows), (name, rows)
 
 def env(**extra: str) -> dict[str, str]:
     e = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)

@@ -97,6 +97,12 @@ class RoundResult:
     """Of those, how many are not in this peer's group (stragglers the window left out)."""
     formed_early: bool = False
     """This peer led the group and formed it before its window ended: every due peer had joined."""
+    timed_out: bool = False
+    """The all-reduce ran into its deadline (``allreduce_deadline_s``)."""
+    window_s: float = 0.0
+    """The matchmaking window this round used (``core.deadlines``); 0 where no round ran."""
+    allreduce_deadline_s: float = 0.0
+    """The all-reduce deadline this round used; 0 where no round ran."""
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -301,6 +307,11 @@ class RoundReport:
     """Due peers the round's group left out."""
     formed_early: bool = False
     """This peer led the group and formed it before the window ended, every due peer having joined."""
+    window_s: float = 0.0
+    """The matchmaking window the round used, learned from arrivals within ``--matchmaking-time-s``."""
+    allreduce_deadline_s: float = 0.0
+    """The all-reduce deadline the round used, learned from past all-reduces within
+    ``--allreduce-timeout-s``."""
     bytes_sent: int = 0
     bytes_received: int = 0
     train_loss: float = float("nan")
@@ -329,6 +340,7 @@ class RoundReport:
         self.allreduce_seconds, self.wait_seconds = result.allreduce_seconds, result.wait_seconds
         self.due_members, self.cut_members = result.due_members, result.cut_members
         self.formed_early = result.formed_early
+        self.window_s, self.allreduce_deadline_s = result.window_s, result.allreduce_deadline_s
         self.bytes_sent, self.bytes_received = result.bytes_sent, result.bytes_received
         if rejected:
             self.rejected = list(result.rejected)

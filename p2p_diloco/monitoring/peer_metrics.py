@@ -113,6 +113,12 @@ class PeerMetrics(SessionListener):
         self.cut_members = Counter(PREFIX + "matchmaking_cut_members",
                                    "Peers verified due in a round that its group left out (stragglers past "
                                    "the matchmaking window).", registry=r)
+        self.window_seconds = Gauge(PREFIX + "matchmaking_window_seconds",
+                                    "Matchmaking window of the last round, learned from arrivals within "
+                                    "--matchmaking-time-s.", registry=r)
+        self.allreduce_deadline_seconds = Gauge(PREFIX + "allreduce_deadline_seconds",
+                                                "All-reduce deadline of the last round, learned from past "
+                                                "all-reduces within --allreduce-timeout-s.", registry=r)
         self.formed_early = Counter(PREFIX + "matchmaking_formed_early",
                                     "Rounds this peer's group formed before the window ended, every due peer "
                                     "having joined.", registry=r)
@@ -197,6 +203,9 @@ class PeerMetrics(SessionListener):
         if report.wait_seconds > 0:
             self.wait_seconds.observe(max(0.0, report.wait_seconds))
         self.cut_members.inc(max(0, int(getattr(report, "cut_members", 0))))
+        if getattr(report, "window_s", 0.0) > 0:  # 0: no round ran (solo, resync)
+            self.window_seconds.set(report.window_s)
+            self.allreduce_deadline_seconds.set(report.allreduce_deadline_s)
         if getattr(report, "formed_early", False):
             self.formed_early.inc()
         self.sent.labels(self.codec).inc(max(0, int(report.bytes_sent)))

@@ -36,6 +36,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
 from p2p_diloco.core.bounds import l2_norm, output_bound
+from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
@@ -136,6 +137,14 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
         self._join_timing = JoinTiming(cfg.request_timeout_s)
         self._early = EarlyAssembly(cfg.min_group_size)
+        # lives on the caller's side: it learns from the results ``average`` returns
+        self.deadlines = ArrivalDeadlines(
+            window_ceiling_s=cfg.matchmaking_time_s,
+            request_timeout_s=cfg.request_timeout_s,
+            allreduce_ceiling_s=cfg.allreduce_timeout_s,
+            next_chunk_timeout_s=cfg.next_chunk_timeout_s,
+            adaptive=cfg.adaptive_deadlines,
+        )
         super().__init__(
             buffers,
             dht,
@@ -143,7 +152,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             prefix=f"{cfg.run_id}_{fingerprint[:16]}",
             target_group_size=cfg.target_group_size,
             min_group_size=cfg.min_group_size,
-            min_matchmaking_time=cfg.matchmaking_time_s,
+            # hivemind waits at least this long in every window; the learned window lies between it and
+            # matchmaking_time_s (see core.deadlines)
+            min_matchmaking_time=self.deadlines.window.floor if cfg.adaptive_deadlines else cfg.matchmaking_time_s,
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.allreduce_timeout_s,
             next_chunk_timeout=cfg.next_chunk_timeout_s,
@@ -231,7 +242,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                 for src, dst in zip(source or (), target, strict=False):
                     dst.copy_(src.detach())
         try:
-            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info), tuple(due))
+            deadlines = self.deadlines.next_round()
+            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info), tuple(due), deadlines)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
@@ -241,6 +253,16 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"round failed: {e!r}", epoch)
+        result.window_s, result.allreduce_deadline_s = deadlines.window_s, deadlines.allreduce_s
+        self.deadlines.observe(
+            deadlines,
+            due_members=result.due_members,
+            cut_members=result.cut_members,
+            wait_s=result.wait_seconds,
+            group_formed=result.group_size > 0,
+            allreduce_s=result.allreduce_seconds if result.averaged else None,
+            allreduce_timed_out=result.timed_out,
+        )
         return self._make_result(result, epoch, budget)
 
     def ban(self, peer_id: str, reason: str) -> MPFuture:
@@ -269,18 +291,20 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         finally:
             self.lock_averaged_tensors.release()
 
-    def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...] = ()) -> StepControl:
-        """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round."""
+    def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...], deadlines: RoundDeadlines) -> StepControl:
+        """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round; the
+        window and the all-reduce deadline are this round's ``deadlines``."""
         now = get_dht_time()
         control = StepControl(
-            scheduled_time=now + self.cfg.matchmaking_time_s,
+            scheduled_time=now + deadlines.window_s,
             deadline=self._join_timing.deadline(self.cfg.matchmaking_timeout_s),
             allow_retries=False,
             weight=1.0,
             data_for_gather=data_for_gather,
         )
         future_for_init = MPFuture()
-        self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due)))
+        self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due,
+                                                 allreduce_timeout=deadlines.allreduce_s)))
         try:
             trigger, cancel = future_for_init.result(timeout=self.cfg.startup_timeout_s)
         except BaseException:
@@ -319,7 +343,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
 
     # ------------------------------------------------------ averager process side
 
-    async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = ()) -> None:
+    async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = (),
+                    allreduce_timeout: float | None = None) -> None:
         """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
@@ -365,12 +390,14 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                 try:
                     await asyncio.wait_for(
                         self._aggregate_with_group(group_info, result, **self.allreduce_kwargs),
-                        self._allreduce_timeout,
+                        allreduce_timeout or self._allreduce_timeout,
                     )
                 except asyncio.TimeoutError:
                     stuck = "; ".join(runner.progress() for runner in self._runners_of(group_info))
                     logger.warning("All-reduce of round %s timed out: %s", group_info.group_id.hex()[:8], stuck)
-                    result.skip("all-reduce did not finish within allreduce_timeout_s")
+                    result.skip(f"all-reduce did not finish within its deadline "
+                                f"({allreduce_timeout or self._allreduce_timeout:.1f} s)")
+                    result.timed_out = True
             result.wait_seconds = waited
             result.due_members, result.formed_early = formed.due, formed.early
             result.cut_members = len((set(due) | {self.peer_id.to_base58()}) - members) if formed.due else 0

@@ -169,6 +169,13 @@ class SwarmConfig:
     loopback. Longer keeps slow peers in their rounds, at the cost of rounds that wait for peers gone silent
     (their records expire after ``progress_ttl_s``)."""
 
+    adaptive_deadlines: bool = True
+    """Learn each round's matchmaking window and all-reduce deadline from the arrivals and all-reduce times this
+    peer observed (median plus 4 MADs over the last 9 rounds, ``core.deadlines``), with ``matchmaking_time_s``
+    and ``allreduce_timeout_s`` as the ceilings. A due peer that went silent then costs a round about the
+    swarm's usual arrival spread instead of the whole window, and a stuck all-reduce a few times its usual
+    length. ``False`` uses the fixed flags for every round (as when you must reproduce an old run)."""
+
     matchmaking_timeout_s: float = 60.0
     """Total time to look for a group before the round is skipped, 1-3600 s. Must exceed ``matchmaking_time_s``
     (leaders wait that long at least); about 3-4x it lets a peer retry with another leader. The search
@@ -277,7 +284,7 @@ class SwarmConfig:
             )
         if self.identity_path is not None:
             _check_key_private(self.identity_path)
-        for name in ("client_mode", "use_relay", "use_auto_relay"):
+        for name in ("client_mode", "use_relay", "use_auto_relay", "adaptive_deadlines"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.nat_port_map is not None and not isinstance(self.nat_port_map, bool):

@@ -89,6 +89,9 @@ def test_group_forms_once_every_due_peer_joined_not_at_the_window_end(swarm: Swa
         assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
         assert (result["group_size"], result["due_members"], result["cut_members"]) == (2, 2, 0), result
         assert result["wait_seconds"] < 30.0, result
+        # a first round knows no arrivals yet: it runs with the flags, the ceilings of the learned deadlines
+        loopback = SwarmConfig.for_loopback()
+        assert (result["window_s"], result["allreduce_deadline_s"]) == (60.0, loopback.allreduce_timeout_s), result
     assert sorted(r["formed_early"] for r in results) == [False, True], "the leader formed it, early"
 
 

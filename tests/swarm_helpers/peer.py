@@ -136,6 +136,8 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
         due_members=result.due_members,
         cut_members=result.cut_members,
         formed_early=result.formed_early,
+        window_s=result.window_s,
+        allreduce_deadline_s=result.allreduce_deadline_s,
     )
 
 

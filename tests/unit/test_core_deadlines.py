@@ -1,0 +1,113 @@
+"""Deadlines learned from arrivals (core.deadlines): they shrink to what the swarm shows, grow when rounds
+are cut, and never leave the bounds the flags set."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.core.deadlines import ArrivalDeadlines, LearnedDeadline, RoundDeadlines
+
+
+def _deadlines(**overrides: object) -> ArrivalDeadlines:
+    kwargs: dict = dict(window_ceiling_s=15.0, request_timeout_s=1.0, allreduce_ceiling_s=600.0,
+                        next_chunk_timeout_s=10.0)
+    kwargs.update(overrides)
+    return ArrivalDeadlines(**kwargs)
+
+
+def _round(d: ArrivalDeadlines, *, wait: float, cut: int = 0, allreduce: float | None = 2.0,
+           timed_out: bool = False) -> RoundDeadlines:
+    used = d.next_round()
+    d.observe(used, due_members=3, cut_members=cut, wait_s=wait, group_formed=cut < 2,
+              allreduce_s=None if timed_out else allreduce, allreduce_timed_out=timed_out)
+    return used
+
+
+def test_a_new_peer_uses_the_flags_until_it_has_seen_rounds() -> None:
+    d = _deadlines()
+    assert d.next_round() == RoundDeadlines(15.0, 600.0)
+    _round(d, wait=0.4)
+    _round(d, wait=0.5)
+    assert d.next_round() == RoundDeadlines(15.0, 600.0)  # two samples are not a swarm's behaviour yet
+
+
+def test_prompt_arrivals_shrink_the_window_and_fast_allreduces_the_deadline_down_to_their_floors() -> None:
+    d = _deadlines()
+    for wait in (0.4, 0.6, 0.5, 0.45, 0.55):
+        _round(d, wait=wait)
+    now = d.next_round()
+    assert now.window_s == pytest.approx(1.5)  # floor: 1.5 x request_timeout_s
+    assert now.allreduce_s == pytest.approx(20.0)  # floor: 2 x next_chunk_timeout_s
+
+
+def test_the_window_follows_the_spread_of_arrivals() -> None:
+    d = _deadlines()
+    for wait in (2.0, 4.0, 3.0, 5.0, 3.0):
+        _round(d, wait=wait)
+    # median 3, MAD 1: 3 x 1.5 + 4 x 1.4826 x 1
+    assert d.next_round().window_s == pytest.approx(3 * 1.5 + 4 * 1.4826)
+
+
+def test_one_wild_round_does_not_move_it_but_a_slower_swarm_does() -> None:
+    d = _deadlines()
+    for _ in range(8):
+        _round(d, wait=0.5)
+    _round(d, wait=14.0)  # one peer's disk stalled
+    assert d.next_round().window_s == pytest.approx(1.5)
+    for _ in range(5):  # the swarm's arrivals really spread out now
+        _round(d, wait=6.0)
+    assert d.next_round().window_s == pytest.approx(min(15.0, 6.0 * 1.5 + 4 * 1.4826 * 0.0))
+
+
+def test_cut_rounds_grow_the_window_up_to_the_flag_and_it_comes_back_down() -> None:
+    d = _deadlines()
+    for _ in range(5):
+        _round(d, wait=0.5)
+    windows = []
+    for _ in range(6):  # a due peer now arrives after every window: each round cuts it
+        windows.append(_round(d, wait=d.next_round().window_s, cut=1).window_s)
+    assert windows[0] == pytest.approx(1.5)
+    assert windows == sorted(windows) and windows[-1] == 15.0, windows  # grew, up to the ceiling, no further
+    for _ in range(9):  # prompt again: the growth decays (0.8x a round) instead of dropping at once
+        _round(d, wait=0.5)
+    assert d.next_round().window_s < 2.5
+    for _ in range(6):
+        _round(d, wait=0.5)
+    assert d.next_round().window_s == pytest.approx(1.5)
+
+
+def test_rounds_without_a_due_set_teach_nothing_about_arrivals() -> None:
+    d = _deadlines()
+    for _ in range(5):
+        used = d.next_round()
+        d.observe(used, due_members=1, cut_members=0, wait_s=15.0, group_formed=True, allreduce_s=None,
+                  allreduce_timed_out=False)
+    assert d.window.samples == () and d.allreduce.samples == ()
+
+
+def test_allreduce_timeouts_grow_the_deadline() -> None:
+    d = _deadlines()
+    for _ in range(5):
+        _round(d, wait=0.5, allreduce=1.0)
+    assert d.next_round().allreduce_s == pytest.approx(20.0)
+    deadlines = [_round(d, wait=0.5, timed_out=True).allreduce_s for _ in range(5)]
+    assert deadlines[0] == 20.0 and deadlines[-1] > 100.0 and max(deadlines) <= 600.0, deadlines
+
+
+def test_fixed_deadlines_when_not_adaptive_and_bounds_hold_for_any_input() -> None:
+    d = _deadlines(adaptive=False)
+    for _ in range(5):
+        _round(d, wait=0.5, allreduce=0.1)
+    assert d.next_round() == RoundDeadlines(15.0, 600.0)
+    learned = LearnedDeadline(floor=1.0, ceiling=10.0)
+    for x in (float("nan"), float("inf"), -3.0, 1e300, 0.0):
+        learned.observe(x)
+    assert 1.0 <= learned.seconds <= 10.0
+    assert learned.samples == (1e300, 0.0)
+    with pytest.raises(ValueError, match="floor"):
+        LearnedDeadline(floor=5.0, ceiling=2.0)
+
+
+def test_floors_never_exceed_the_flags() -> None:
+    d = _deadlines(window_ceiling_s=1.2, request_timeout_s=1.0, allreduce_ceiling_s=15.0, next_chunk_timeout_s=7.0)
+    assert d.window.floor == 1.2 and d.allreduce.floor == 14.0
