@@ -13,14 +13,16 @@ the deadline is ``median(x) * slack + k * 1.4826 * MAD(x)``, clamped to ``[floor
   must not set the deadline of the next dozen rounds. Both ignore up to half of the samples being wild.
 - ``k = 4`` MADs: for normally spread arrivals that keeps about 99.99% of them; arrivals over the internet
   have a longer tail, which the ``slack`` factor covers.
-- **Censored samples grow the deadline at once.** A round whose window ended with a due peer missing did
-  not see that peer's arrival, only that it came later than the window. The next deadline is ``growth x``
-  (2x) the one that cut, so it doubles each round until the stragglers fit or it reaches the ceiling; the
-  cut round is also recorded as a sample of that size, so that the median learns the slower swarm. Each
-  complete round then lets that boost decay by ``decay`` (0.8x), and the median brings the deadline back
-  down within about ``history / 2`` rounds of prompt arrivals, without swinging between cutting and not.
-  A peer that died but whose progress record still lives (up to ``--progress-ttl-s``) costs a few rounds of
-  growth, never more than the fixed flag did before.
+- **A cut straggler grows the window, once it proves it is alive.** A round whose window ended with a due
+  peer missing did not see that peer's arrival, only that it came later than the window, or never: a peer
+  that died stays "due" while its signed progress record lives, for a round or two. Growing the window for
+  it would make the survivors wait the full flag for a dead peer (measured: ``benchmarks/silent_peer.py``).
+  So the cut is remembered, and counts only when one of the cut peers turns up in a group of the next
+  round: then the window that cut it is recorded as a censored sample, and the next window is ``growth x``
+  (2x) it, so it doubles each round until the straggler fits or it reaches the ceiling. Each complete round
+  lets that boost decay by ``decay`` (0.8x), and the median brings the window back down within about
+  ``history / 2`` rounds of prompt arrivals, without swinging between cutting and not. A cut peer that
+  never comes back teaches nothing.
 - Floors. The window never drops below ``1.5 x request_timeout_s``: hivemind breaks matchmaking deadlocks
   with the request timeout and needs the window longer than it. The all-reduce deadline never drops below
   ``2 x next_chunk_timeout_s``, the time a silent groupmate takes to be detected, so a slow part never ends
@@ -32,7 +34,8 @@ What the samples are:
   with every due peer in it (a leader forms it the moment the last due peer joins, a follower is told at
   once). Rounds without a known due set (a new swarm) teach nothing: their window decided.
 - **All-reduce**: the seconds the all-reduce took in rounds that averaged; a round that ran out of time is
-  censored as above.
+  censored at once (groupmates that stop answering are caught by ``--next-chunk-timeout-s``, so running
+  out of time means the network was slower than the deadline).
 
 This module is pure arithmetic on numbers; ``swarm.averager`` feeds it and uses its answers, and the
 simulator can drive it the same way.
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 MAD_TO_SIGMA = 1.4826
@@ -143,6 +147,8 @@ class ArrivalDeadlines:
                                       ceiling=window_ceiling_s)
         self.allreduce = LearnedDeadline(floor=min(allreduce_ceiling_s, 2 * next_chunk_timeout_s),
                                          ceiling=allreduce_ceiling_s, slack=3.0)
+        self._cut: frozenset[str] = frozenset()  # due peers the last round's window left out
+        self._cut_by = 0.0  # that round's window
 
     def next_round(self) -> RoundDeadlines:
         if not self.adaptive:
@@ -154,9 +160,9 @@ class ArrivalDeadlines:
         used: RoundDeadlines,
         *,
         due_members: int,
-        cut_members: int,
+        cut: Collection[str],
+        members: Collection[str],
         wait_s: float,
-        group_formed: bool,
         allreduce_s: float | None,
         allreduce_timed_out: bool,
     ) -> None:
@@ -165,17 +171,17 @@ class ArrivalDeadlines:
         :param used: the deadlines the round ran with.
         :param due_members: peers verified due (this one included); below 2 the round says nothing about
           arrivals.
-        :param cut_members: due peers missing from the group (0 when everyone due joined).
+        :param cut: ids of the due peers missing from the group (empty when everyone due joined).
+        :param members: ids of the group's members (empty when no group formed).
         :param wait_s: seconds from the start of the search until the group formed (or the search ended).
-        :param group_formed: a group formed at all.
         :param allreduce_s: the all-reduce's duration when it completed, else ``None``.
         :param allreduce_timed_out: the all-reduce ran into ``used.allreduce_s``.
         """
-        if due_members >= 2:
-            if group_formed and cut_members == 0:
-                self.window.observe(wait_s)
-            else:
-                self.window.censored(used.window_s)
+        if self._cut and self._cut & frozenset(members):
+            self.window.censored(self._cut_by)  # a peer cut last round is here: it was late, not gone
+        self._cut, self._cut_by = frozenset(cut), used.window_s
+        if due_members >= 2 and members and not cut:
+            self.window.observe(wait_s)
         if allreduce_timed_out:
             self.allreduce.censored(used.allreduce_s)
         elif allreduce_s is not None:

@@ -95,6 +95,8 @@ class RoundResult:
     """Peers (this one included) verified due in this round when it began; 0 when none were known."""
     cut_members: int = 0
     """Of those, how many are not in this peer's group (stragglers the window left out)."""
+    cut_peers: tuple[str, ...] = ()
+    """Their ids (base58), as far as they are known."""
     formed_early: bool = False
     """This peer led the group and formed it before its window ended: every due peer had joined."""
     timed_out: bool = False

@@ -257,9 +257,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         self.deadlines.observe(
             deadlines,
             due_members=result.due_members,
-            cut_members=result.cut_members,
+            cut=result.cut_peers,
+            members=result.contributors,
             wait_s=result.wait_seconds,
-            group_formed=result.group_size > 0,
             allreduce_s=result.allreduce_seconds if result.averaged else None,
             allreduce_timed_out=result.timed_out,
         )
@@ -377,9 +377,11 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             group_info = await matchmaking
             waited = time.monotonic() - began
             if group_info is None:
+                others = tuple(sorted(set(due) - {self.peer_id.to_base58()}))
                 step.set_result(RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s",
                                             wait_seconds=waited, due_members=formed.due,
-                                            cut_members=max(0, formed.due - 1)))
+                                            cut_members=max(0, formed.due - 1),
+                                            cut_peers=others if formed.due else ()))
                 return
             members = {peer.to_base58() for peer in group_info.peer_ids}
             await step.wait_for_trigger()
@@ -400,7 +402,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                     result.timed_out = True
             result.wait_seconds = waited
             result.due_members, result.formed_early = formed.due, formed.early
-            result.cut_members = len((set(due) | {self.peer_id.to_base58()}) - members) if formed.due else 0
+            if formed.due:
+                result.cut_peers = tuple(sorted((set(due) | {self.peer_id.to_base58()}) - members))
+                result.cut_members = len(result.cut_peers)
             step.set_result(result)
         except Exception as e:
             logger.warning("Averaging round failed: %r", e)

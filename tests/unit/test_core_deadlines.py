@@ -15,10 +15,11 @@ def _deadlines(**overrides: object) -> ArrivalDeadlines:
     return ArrivalDeadlines(**kwargs)
 
 
-def _round(d: ArrivalDeadlines, *, wait: float, cut: int = 0, allreduce: float | None = 2.0,
-           timed_out: bool = False) -> RoundDeadlines:
+def _round(d: ArrivalDeadlines, *, wait: float, cut: tuple[str, ...] = (), members: tuple[str, ...] = ("me", "x", "y"),
+           allreduce: float | None = 2.0, timed_out: bool = False) -> RoundDeadlines:
     used = d.next_round()
-    d.observe(used, due_members=3, cut_members=cut, wait_s=wait, group_formed=cut < 2,
+    members = tuple(m for m in members if m not in cut)
+    d.observe(used, due_members=3, cut=cut, members=members, wait_s=wait,
               allreduce_s=None if timed_out else allreduce, allreduce_timed_out=timed_out)
     return used
 
@@ -59,13 +60,15 @@ def test_one_wild_round_does_not_move_it_but_a_slower_swarm_does() -> None:
     assert d.next_round().window_s == pytest.approx(min(15.0, 6.0 * 1.5 + 4 * 1.4826 * 0.0))
 
 
-def test_cut_rounds_grow_the_window_up_to_the_flag_and_it_comes_back_down() -> None:
+def test_a_straggler_cut_every_round_grows_the_window_up_to_the_flag_and_it_comes_back_down() -> None:
     d = _deadlines()
     for _ in range(5):
         _round(d, wait=0.5)
     windows = []
-    for _ in range(6):  # a due peer now arrives after every window: each round cuts it
-        windows.append(_round(d, wait=d.next_round().window_s, cut=1).window_s)
+    for i in range(7):  # peer y now arrives after every window: each round cuts it, and it folds its work
+        # into the next round's group, which is how this peer knows it was late and not gone
+        cut = ("y",) if i % 2 == 0 else ("x",)
+        windows.append(_round(d, wait=d.next_round().window_s, cut=cut).window_s)
     assert windows[0] == pytest.approx(1.5)
     assert windows == sorted(windows) and windows[-1] == 15.0, windows  # grew, up to the ceiling, no further
     for _ in range(9):  # prompt again: the growth decays (0.8x a round) instead of dropping at once
@@ -76,11 +79,21 @@ def test_cut_rounds_grow_the_window_up_to_the_flag_and_it_comes_back_down() -> N
     assert d.next_round().window_s == pytest.approx(1.5)
 
 
+def test_a_peer_that_died_does_not_grow_the_window() -> None:
+    # Its progress record keeps it "due" for a round or two; it never joins a group again.
+    d = _deadlines()
+    for _ in range(5):
+        _round(d, wait=0.5)
+    windows = [_round(d, wait=1.5, cut=("dead",), members=("me", "x")).window_s for _ in range(2)]
+    windows += [_round(d, wait=0.5, members=("me", "x")).window_s for _ in range(3)]
+    assert windows == [pytest.approx(1.5)] * 5, windows
+
+
 def test_rounds_without_a_due_set_teach_nothing_about_arrivals() -> None:
     d = _deadlines()
     for _ in range(5):
         used = d.next_round()
-        d.observe(used, due_members=1, cut_members=0, wait_s=15.0, group_formed=True, allreduce_s=None,
+        d.observe(used, due_members=1, cut=(), members=("me", "x"), wait_s=15.0, allreduce_s=None,
                   allreduce_timed_out=False)
     assert d.window.samples == () and d.allreduce.samples == ()
 
