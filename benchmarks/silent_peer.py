@@ -11,7 +11,7 @@ Reported per run: for each survivor, the rounds after the kill with their window
 the total seconds waited for the dead peer (wait of the rounds that cut it).
 
 Run: ``python -m benchmarks.silent_peer [--warm-rounds 4] [--after-rounds 4]``; writes
-``benchmarks/results/silent_peer.json``.
+``benchmarks/results/silent_peer.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -88,11 +88,39 @@ def run(adaptive: bool, warm_rounds: int, after_rounds: int, work: Path) -> dict
     return dict(adaptive=adaptive, codes=codes, survivors=survivors)
 
 
+def plot(payload: dict[str, Any]) -> Path:
+    """Wait per round after the kill, fixed against learned deadlines (each survivor a line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for run in payload["runs"]:
+        label = "learned deadlines" if run["adaptive"] else "fixed --matchmaking-time-s 15"
+        for i, (name, s) in enumerate(run["survivors"].items()):
+            ax.plot(range(1, len(s["after"]) + 1), [r["wait_s"] for r in s["after"]], marker="o",
+                    color="tab:green" if run["adaptive"] else "tab:red", alpha=0.8,
+                    label=label if i == 0 else None, linestyle="-" if name == "a" else "--")
+    ax.set_xlabel("round after the kill")
+    ax.set_ylabel("matchmaking wait (s)")
+    ax.set_title("A peer killed: what the two survivors wait for it")
+    ax.legend()
+    fig.tight_layout()
+    path = RESULTS / "silent_peer.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warm-rounds", type=int, default=4, help="rounds before the kill (they teach the window)")
     parser.add_argument("--after-rounds", type=int, default=4, help="rounds the survivors run after it")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        print(plot(json.loads((RESULTS / "silent_peer.json").read_text())))
+        return 0
     runs = []
     with tempfile.TemporaryDirectory(prefix="silent_peer_") as tmp:
         for adaptive in (False, True):
@@ -111,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                    machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                                 python=platform.python_version(), load_average=os.getloadavg()[0]))
     (RESULTS / "silent_peer.json").write_text(json.dumps(payload, indent=1))
+    plot(payload)
     return 0 if all(c == 0 for r in runs for c in r["codes"].values()) else 1
 
 
