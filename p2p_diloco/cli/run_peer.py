@@ -225,6 +225,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         display.clear()
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except RuntimeError as e:
+        if group is None or not group.is_collective_failure(e):
+            raise
+        display.clear()  # DDP's or FSDP2's own collective, during an inner step
+        print(f"{PROG}: error: {group.failure('training', e)}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)

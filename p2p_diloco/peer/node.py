@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 TEXT_BYTES = 255
 """The longest string a node broadcasts (its length travels in one byte; a peer or data id is under 100)."""
+
+
+_COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|ProcessGroup|Connection (reset|closed)|Broken pipe", re.IGNORECASE)
+"""What the backends' errors say when a rank's peer went away (gloo raises plain RuntimeErrors)."""
 
 
 class NodeError(RuntimeError):
@@ -101,16 +106,27 @@ class NodeGroup:
 
     @contextmanager
     def collective(self, what: str) -> Iterator[None]:
+        """Turn a failed collective inside the block into :class:`NodeError`."""
         try:
             yield
         except (RuntimeError, ValueError) as e:  # DistBackendError, DistNetworkError, timeouts are RuntimeErrors
             if isinstance(e, NodeError):
                 raise
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise NodeError(
-                f"node rank {self.rank}: {what} failed ({first[:300]}); another rank of this node stopped or hung "
-                "(see its output). Every rank stops; restart the node with --resume"
-            ) from None
+            raise self.failure(what, e) from None
+
+    def failure(self, what: str, error: BaseException) -> NodeError:
+        """The error a rank reports when ``what`` failed with ``error`` (a collective of the node)."""
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else type(error).__name__
+        return NodeError(f"node rank {self.rank}: {what} failed ({first[:300]}); another rank of this node stopped "
+                         "or hung (see its output). Every rank stops; restart the node with --resume")
+
+    @staticmethod
+    def is_collective_failure(error: BaseException) -> bool:
+        """``error`` (raised while training: DDP's and FSDP2's own collectives) came from the process group."""
+        if isinstance(error, dist.DistError):
+            return True
+        return isinstance(error, RuntimeError) and bool(_COLLECTIVE_ERROR.search(str(error)))
 
     # ------------------------------------------------------------------ collectives
 
