@@ -66,7 +66,7 @@ def test_node_of_two_ranks_averages_with_a_peer_dies_cleanly_and_resumes(tmp_pat
         # --resume: rank 0 loads the checkpoint, the node downloads the swarm's state if behind, and averages.
         before = len(events(tmp_path, "node", "round"))
         seen = set(_together(tmp_path))
-        node = _start_node(tmp_path, maddr, "--max-rounds", "3", "--resume")
+        node = _start_node(tmp_path, maddr, "--max-rounds", "2", "--resume")
         assert wait_all({"node": node}, 120)["node"] == 0, tail(tmp_path, "node")
         starts = events(tmp_path, "node", "start")
         assert len(starts) == 2 and re.match(r"(resumed|joined) at epoch", starts[1]["how"]), starts[1]["how"]
