@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose)
     cfg, group = _join_node(cfg)
     lead = group is None or group.lead  # rank 0 of a node (or a one-GPU peer) prints, logs and checkpoints
+    ranks = group.world_size if group else 1  # each rank trains on its own --batch-size
     runlog = RunLog(cfg.run.log_file if lead else None)
     try:
         tokenizer, model = build_model_and_tokenizer(cfg)
@@ -123,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         usage_error(PROG, str(e))
     display = ProgressDisplay.for_terminal(sys.stdout, log_file=cfg.run.log_file,
-                                           tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len)
+                                           tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len * ranks)
     if group is None:
         session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display],
                                faults=faults or NO_FAULTS)
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"others join with: run_peer --run-id {cfg.run.run_id} --model {cfg.model.model} "
                   f"--initial-peers {' '.join(session.visible_maddrs()[:2])}", flush=True)
         runlog.write("start", peer_id=session.peer_id, epoch=session.epoch, how=how, config=to_dict(cfg),
-                     maddrs=session.visible_maddrs(), params_sha256=session.params_sha256())
+                     maddrs=session.visible_maddrs(), params_sha256=session.params_sha256(), node_ranks=ranks)
         if cfg.run.eval_every:  # 0: no evaluation at all
             eval_loss = trainer.evaluate(local.eval_batches)
             runlog.write("eval", peer_id=session.peer_id, epoch=session.epoch, eval_loss=eval_loss)

@@ -65,3 +65,24 @@ def test_node_stats_sum_work_and_take_the_slowest_rank() -> None:
     s = combine_stats([[10, 8, 512, 2.0, 3.0, 2.0], [10, 8, 512, 3.0, 5.0, 4.0]])
     assert (s.steps, s.samples, s.tokens, s.seconds, s.mean_loss, s.last_loss) == (10, 16, 1024, 3.0, 4.0, 3.0)
     assert s.tokens_per_second == pytest.approx(1024 / 3.0)
+
+
+def test_node_flags_are_checked(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from p2p_diloco.cli import run_peer
+    from p2p_diloco.cli.common import make_parser, parse_config
+    from p2p_diloco.peer.config import PeerConfig
+
+    parser = make_parser("run_peer", "", PeerConfig)
+    cfg, _ = parse_config(parser, PeerConfig, ["--node-parallel", "fsdp2", "--node-timeout-s", "1300"])
+    assert (cfg.node.parallel, cfg.node.timeout_s) == ("fsdp2", 1300.0)
+    for argv, needle in ((["--node-timeout-s", "600"], "--node-timeout-s"), (["--node-parallel", "tp"], "node")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config(parser, PeerConfig, argv)
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+    # Under torchrun each rank takes cuda:LOCAL_RANK: a fixed device is refused before any process group starts.
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        run_peer._join_node(parse_config(parser, PeerConfig, ["--device", "cuda:1"])[0])
+    assert exit_info.value.code == 2 and "cuda:LOCAL_RANK" in capsys.readouterr().err
