@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -101,7 +103,48 @@ def _set_aside(damaged: Sequence[tuple[Path, str]]) -> None:
         logger.warning("Damaged checkpoint %s (%s) kept as %s", path, reason, set_aside(path))
 
 
+class _NodeExit:
+    """Whether this process became a rank of a node (then it leaves through :func:`_exit_node`)."""
+
+    started = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the peer; a rank of a node ends with ``os._exit`` once everything is closed (see :func:`_exit_node`)."""
+    try:
+        code = _main(argv)
+    except SystemExit as e:
+        if not _NodeExit.started:
+            raise
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        if not _NodeExit.started:
+            raise
+        traceback.print_exc()
+        code = 1
+    if _NodeExit.started:
+        _exit_node(code)
+    return code
+
+
+def _exit_node(code: int) -> None:
+    """Leave a node's rank without interpreter finalization.
+
+    By now the swarm session, the run log and the process group are closed. What finalization would still do
+    is free the DDP reducer, which destroys its gloo process group while holding the GIL; gloo's worker thread,
+    releasing the tensors of a finished collective, waits for the GIL: the rank hangs at exit (seen on this
+    project's CPU tests), and torchrun waits for it.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:
         return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
@@ -265,6 +308,7 @@ def _join_node(cfg: PeerConfig) -> tuple[PeerConfig, NodeGroup | None]:
     else:
         device = torch.device("cpu")
     cfg = dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, device=str(device)))
+    _NodeExit.started = True
     try:
         group = NodeGroup(launch, device, cfg.node.timeout_s)
     except NodeError as e:

@@ -42,14 +42,19 @@ def _together(tmp: Path, since: int = 0) -> dict[int, str]:
 
 
 def test_node_of_two_ranks_averages_with_a_peer_dies_cleanly_and_resumes(tmp_path: Path) -> None:
+    # The single peer's epoch 1 is slow (3 s per inner step): it idles, rather than racing ahead alone on the
+    # CPU the node needs to start, and the node, arriving during or after it, downloads the swarm's state.
     solo = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.run_peer", *FAST, "--local-steps", "5",
                              "--min-local-steps", "5", "--eval-every", "0", "--log-file", str(tmp_path / "solo.jsonl")],
-                            stdout=open(tmp_path / "solo.out", "w"), stderr=subprocess.STDOUT, env=env())
+                            stdout=open(tmp_path / "solo.out", "w"), stderr=subprocess.STDOUT,
+                            env=env(P2P_DILOCO_FAULTS="slow_steps@1=3"))
     maddr = wait_for_maddr(tmp_path / "solo.out", solo)
     node = _start_node(tmp_path, maddr, "--max-rounds", "50")
     try:
         wait_for(lambda: len(_together(tmp_path)) >= 3, 90, "3 rounds of the node with the single peer\n"
                  + tail(tmp_path, "node") + tail(tmp_path, "solo"))
+        # rank 0 downloaded the swarm's state once and broadcast it: rank 1 started from it too
+        assert events(tmp_path, "node", "start")[0]["how"].startswith("joined at epoch"), tail(tmp_path, "node")
 
         # One rank dies: torchrun stops the other; the peer leaves the swarm; no process is left.
         workers = psutil.Process(node.pid).children()
