@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -52,22 +53,27 @@ def main(rank: int, port: int, out: Path) -> None:
     from p2p_diloco.trainer import InnerTrainer
 
     group = NodeGroup(NodeLaunch.from_env(), torch.device("cpu"), timeout_s=60)
-    try:
-        for mode in MODES:
-            node = NodeModel(build_model("tiny", VOCAB, SEQ, seed=0), mode, group)
-            state = OuterState(node.full, lr=0.7, momentum=0.9, device="cpu") if group.lead else None
-            InnerTrainer(node.module, inner(PER_RANK), batches(rank)).train_steps(STEPS)
-            node.gather()
-            if state is not None:
-                outer_step(state, node.full)
-            node.scatter()
-            digest = node.check_identical()  # raises if any rank's parameters differ from rank 0's
-            if state is not None:
-                save_file({f"p{i}": a for i, a in enumerate(state.anchors)}, str(out / f"{mode}.safetensors"))
-                (out / f"{mode}.sha256").write_text(f"{digest} {params_sha256(state.anchors)}")
-    finally:
-        group.close()
+    # The process group is left to the process's exit, as run_peer does (NodeGroup.close says why).
+    for mode in MODES:
+        node = NodeModel(build_model("tiny", VOCAB, SEQ, seed=0), mode, group)
+        state = OuterState(node.full, lr=0.7, momentum=0.9, device="cpu") if group.lead else None
+        InnerTrainer(node.module, inner(PER_RANK), batches(rank)).train_steps(STEPS)
+        node.gather()
+        if state is not None:
+            outer_step(state, node.full)
+        node.scatter()
+        digest = node.check_identical()  # raises if any rank's parameters differ from rank 0's
+        if state is not None:
+            save_file({f"p{i}": a for i, a in enumerate(state.anchors)}, str(out / f"{mode}.safetensors"))
+            (out / f"{mode}.sha256").write_text(f"{digest} {params_sha256(state.anchors)}")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    try:
+        main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter finalization: see p2p_diloco.peer.node.NodeGroup.close

@@ -178,7 +178,12 @@ class NodeGroup:
         return [bytes(t.cpu().tolist()).hex() for t in out]
 
     def close(self) -> None:
-        """Leave the process group (idempotent; never raises: the node may already be broken)."""
+        """Destroy the process group (idempotent; never raises: the node may already be broken).
+
+        Only for a process that goes on without it. With gloo, destroying it (or freeing a DDP reducer that
+        holds it) joins gloo's worker thread while holding the GIL, and that thread, releasing the tensors of
+        a collective that just finished, may be waiting for the GIL: the process hangs (seen here, at random).
+        A rank that is about to exit should just exit (``run_peer`` uses ``os._exit``)."""
         if not self._open:
             return
         self._open = False

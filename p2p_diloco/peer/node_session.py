@@ -180,11 +180,11 @@ class NodeSession:
         return DataPosition(values[2 * self.rank], values[2 * self.rank + 1])
 
     def close(self) -> None:
-        try:
-            if self.lead is not None:
-                self.lead.close()
-        finally:
-            self.group.close()
+        """Rank 0 leaves the swarm. The process group is left to the process's exit (``run_peer`` ends a rank with
+        ``os._exit``): tearing it down here can deadlock (see :meth:`NodeGroup.close`), and no rank needs it
+        after the loop."""
+        if self.lead is not None:
+            self.lead.close()
 
     # ------------------------------------------------------------------ per round
 
