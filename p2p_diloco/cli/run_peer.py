@@ -130,10 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _exit_node(code: int) -> None:
     """Leave a node's rank without interpreter finalization.
 
-    By now the swarm session, the run log and the process group are closed. What finalization would still do
-    is free the DDP reducer, which destroys its gloo process group while holding the GIL; gloo's worker thread,
-    releasing the tensors of a finished collective, waits for the GIL: the rank hangs at exit (seen on this
-    project's CPU tests), and torchrun waits for it.
+    By now the swarm session and the run log are closed and no collective is pending. What finalization would
+    still do is free the DDP reducer and the process group, which joins gloo's worker thread while holding the
+    GIL; that thread, releasing the tensors of a finished collective, may be waiting for the GIL: the rank hung
+    at exit now and then in this project's CPU tests, and torchrun waited for it.
     """
     for stream in (sys.stdout, sys.stderr):
         try:
