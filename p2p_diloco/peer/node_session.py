@@ -76,7 +76,7 @@ class NodeSession:
         self.peer_id = ""
         self.data_id = ""
         self.data_position: DataPosition | None = None
-        self._resume_positions: list[dict[str, int]] = []
+        self._resume_positions: list[dict[str, int]] | None = None  # set by load_state_dict
         self._stream: DataStream | None = None
 
     # ------------------------------------------------------------------ state
@@ -169,9 +169,9 @@ class NodeSession:
         flat: list[int] | None = None
         if self.lead is not None:
             own = self.lead.data_position or DataPosition()
-            saved = self._resume_positions
-            if saved and len(saved) != n - 1:
-                logger.warning("The checkpoint was written by a node of %d ranks, this one has %d: ranks beyond "
+            saved = self._resume_positions or []
+            if self._resume_positions is not None and len(saved) != n - 1:
+                logger.warning("The checkpoint was written by a node of %d rank(s), this one has %d: ranks beyond "
                                "the checkpoint's start their data shards from the beginning", len(saved) + 1, n)
             rest = [DataPosition.from_dict(saved[r - 1]) if r - 1 < len(saved) else DataPosition()
                     for r in range(1, n)]
