@@ -51,7 +51,8 @@ def held_out_batches(cfg: TrainConfig, tokenizer: Tokenizer) -> list[torch.Tenso
 
 def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = None,
                 parts: tuple[Tokenizer, PreTrainedModel] | None = None) -> LocalSetup:
-    """Everything a peer trains with. ``peer_id`` picks its data shard; ``parts`` reuses a built model."""
+    """Everything a peer trains with. ``peer_id`` picks its data shard; ``parts`` reuses a built model (on a
+    multi-GPU node, the rank's DDP wrapper or FSDP2-sharded model: the trainer trains what it is given)."""
     tokenizer, model = parts or build_model_and_tokenizer(cfg)
     train = open_text_dataset(cfg.data.dataset, "train", cfg.data.text_field, cfg.data.dataset_config)
     stream = PeerTokenStream(
@@ -62,4 +63,5 @@ def build_local(cfg: TrainConfig, peer_id: str, position: DataPosition | None = 
     # 0 disables evaluation: no held-out split is read, whatever its size
     evals = held_out_batches(cfg, tokenizer) if cfg.run.eval_every else []
     trainer = InnerTrainer(model, cfg.inner, stream)
-    return LocalSetup(cfg, tokenizer, model, stream, trainer, evals, model_fingerprint(model, cfg.model.model))
+    inner = getattr(model, "module", model)  # a DDP wrapper names its parameters module.*
+    return LocalSetup(cfg, tokenizer, model, stream, trainer, evals, model_fingerprint(inner, cfg.model.model))

@@ -8,6 +8,7 @@ DiLoCo paper: averaging it did not help and would triple the traffic.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -138,10 +139,12 @@ class InnerTrainer:
         for i in range(n):
             batch = next(self._batches).to(self.device, non_blocking=True)
             step_loss = 0.0
-            for chunk in batch.split(micro):
-                with autocast(self.device, self.amp_dtype):
-                    loss = self.model(input_ids=chunk, labels=chunk).loss
-                (loss / accum).backward()
+            chunks = batch.split(micro)
+            for j, chunk in enumerate(chunks):
+                with self._grad_sync(last=j == len(chunks) - 1):
+                    with autocast(self.device, self.amp_dtype):
+                        loss = self.model(input_ids=chunk, labels=chunk).loss
+                    (loss / accum).backward()
                 step_loss += loss.item() / accum
             if not math.isfinite(step_loss):
                 raise FloatingPointError(
@@ -163,6 +166,15 @@ class InnerTrainer:
         seconds = time.perf_counter() - start
         mean = sum(losses) / len(losses) if losses else float("nan")
         return InnerStats(n, samples, tokens, seconds, mean, losses[-1] if losses else float("nan"))
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Data-parallel models (a multi-GPU node) average gradients on the last micro-batch only: DDP's
+        ``no_sync`` before it, FSDP2's ``set_requires_gradient_sync``. A plain model: nothing to do."""
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(last)
+        elif hasattr(self.model, "no_sync") and not last:  # DDP
+            return self.model.no_sync()
+        return contextlib.nullcontext()
 
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         """Mean token loss over ``batches`` of the held-out split."""

@@ -72,6 +72,7 @@ def read_log(path: Path) -> PeerLog:
             config = record.get("config") or {}
             try:
                 tokens_per_step = int(config["inner"]["batch_size"]) * int(config["model"]["seq_len"])
+                tokens_per_step *= max(1, int(record.get("node_ranks") or 1))  # a node: every rank's batch
             except (KeyError, TypeError, ValueError):
                 tokens_per_step = 0
             last_time = when

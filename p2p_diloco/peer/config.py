@@ -1,11 +1,46 @@
-"""A swarm peer's configuration: the local training settings plus the swarm's."""
+"""A swarm peer's configuration: the local training settings plus the swarm's and its node's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from p2p_diloco.config import TrackingConfig, TrainConfig
 from p2p_diloco.swarm.config import SwarmConfig
+
+
+@dataclass
+class NodeConfig:
+    """A node of several GPUs as one peer (``torchrun --nproc-per-node N $(which run_peer) ...``).
+
+    Read only when ``run_peer`` runs under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment); a plain
+    ``run_peer`` is a node of one rank and ignores these.
+    """
+
+    parallel: Literal["ddp", "fsdp2"] = field(default="ddp", metadata={"flag": "node-parallel"})
+    """How the node's ranks share the inner phase. 'ddp': every rank holds the whole model, gradients are
+    averaged (the fastest when the model, its gradients and AdamW's two moments fit on one GPU: about 16
+    bytes per parameter). 'fsdp2': parameters, gradients and AdamW moments are sharded over the ranks
+    (``torch.distributed.fsdp.fully_shard``, one unit per transformer block), for models that do not fit;
+    each round the full parameters are gathered once to rank 0's host memory."""
+    timeout_s: float = field(default=1800.0, metadata={"flag": "node-timeout-s"})
+    """How long a rank waits in one collective of the node before the node stops, 60-86400 s. A rank that
+    dies ends the node at once (torchrun stops the others); this bounds a rank that hangs. It must exceed
+    the longest rank 0 can spend on the swarm between two collectives (a round's matchmaking, all-reduce
+    and a state download); the check below says by how much."""
+
+    def __post_init__(self) -> None:
+        if self.parallel not in ("ddp", "fsdp2"):
+            raise ValueError(f"parallel: must be ddp or fsdp2, got {self.parallel!r}")
+        if not 60 <= self.timeout_s <= 86400:
+            raise ValueError(f"timeout_s: must be in [60, 86400] s, got {self.timeout_s}")
+
+
+def swarm_wait_bound_s(swarm: SwarmConfig) -> float:
+    """The longest rank 0 of a node talks to the swarm between two of the node's collectives: matchmaking
+    (with the followers' patience), the all-reduce, then a state download if the round says resync."""
+    return (swarm.matchmaking_timeout_s + 2 * swarm.request_timeout_s + swarm.allreduce_timeout_s
+            + swarm.state_download_timeout_s)
 
 
 @dataclass
@@ -14,6 +49,7 @@ class PeerConfig(TrainConfig):
 
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -24,4 +60,11 @@ class PeerConfig(TrainConfig):
                 "swarm.client_mode: a client-mode peer cannot start a swarm (nobody can dial it, and it reduces "
                 "no parts for others); pass --initial-peers of a running swarm with full peers, or leave "
                 "--client-mode off on the swarm's first peer"
+            )
+        bound = swarm_wait_bound_s(self.swarm)
+        if self.node.timeout_s <= bound:
+            raise ValueError(
+                f"node.timeout_s: {self.node.timeout_s:.0f} s is not above the {bound:.0f} s rank 0 may spend on "
+                "the swarm in one round (matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s + "
+                "state_download_timeout_s); raise --node-timeout-s or lower those timeouts"
             )

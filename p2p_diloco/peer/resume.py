@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.checkpoint import Checkpoint, CheckpointError, save_checkpoint
 from p2p_diloco.peer.session import SwarmSession
+
+if TYPE_CHECKING:
+    from p2p_diloco.peer.node_session import NodeSession
 
 logger = logging.getLogger(__name__)
 
@@ -18,17 +21,26 @@ logger = logging.getLogger(__name__)
 def state_dict_of(ck: Checkpoint) -> dict[str, Any]:
     """A checkpoint as :meth:`SwarmSession.load_state_dict` takes it."""
     return {"epoch": ck.epoch, "outer": ck.tensors, "inner_step": ck.manifest.get("inner_step", 0),
-            "data_id": ck.manifest.get("data_id"), "data_position": ck.manifest.get("data_position", {})}
+            "data_id": ck.manifest.get("data_id"), "data_position": ck.manifest.get("data_position", {}),
+            "node_data_positions": ck.manifest.get("node_data_positions", [])}
 
 
-def save_session(session: SwarmSession) -> bool:
+def save_session(session: SwarmSession | NodeSession) -> bool:
     """Write the session's state to ``--checkpoint-dir`` (keeping ``--keep-checkpoints``); False on failure,
-    which is logged (training goes on; the previous checkpoint stays)."""
+    which is logged (training goes on; the previous checkpoint stays).
+
+    A node's session: every rank calls this (it gathers the ranks' data positions); rank 0 writes, with the
+    other ranks' positions in the manifest, and the others return False.
+    """
     cfg = session.cfg
     state = session.state_dict()
+    if not state:
+        return False
     manifest = {"run_id": cfg.run.run_id, "fingerprint": session.fingerprint, "model": cfg.model.model,
                 "seq_len": cfg.model.seq_len, "data_id": state["data_id"], "data_position": state["data_position"],
                 "inner_step": state["inner_step"], "saved_at": time.time()}
+    if state.get("node_data_positions"):
+        manifest["node_data_positions"] = state["node_data_positions"]
     try:
         save_checkpoint(cfg.run.checkpoint_dir, state["epoch"], state["outer"], manifest,
                         keep=cfg.run.keep_checkpoints)

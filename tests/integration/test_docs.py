@@ -73,6 +73,9 @@ COVERAGE: list[tuple[str, str]] = [
      "tests/integration/test_client_mode_swarm.py::test_client_mode_peer_joins_downloads_and_averages_with_full_peers"),
     (r"run_peer --config peers/peer\.yaml (--client-mode|--host-maddrs .* --announce-maddrs .*|--use-relay --use-auto-relay)",
      "tests/integration/test_docs.py::test_nat_choices_of_the_peer_guide"),
+    # a node of several GPUs: the same torchrun launch (2 gloo ranks on loopback), killed and resumed
+    (r"(CUDA_VISIBLE_DEVICES=\S+ )?torchrun --standalone --nproc-per-node \d+ '\$\(which' 'run_peer\)' .*",
+     "tests/integration/test_node_swarm.py::test_node_of_two_ranks_averages_with_a_peer_dies_cleanly_and_resumes"),
     (r".*run_peer .*", "tests/integration/test_peer_swarm.py::test_three_peers_train_fold_late_work_and_admit_a_joiner"),
     (r".*run_bootstrap .*", "tests/integration/test_docs.py::test_readme_local_swarm_and_preflight"),
     # deployment: the units' ExecStart lines and the image's ENTRYPOINT/CMD are parsed here; systemd and
@@ -118,7 +121,7 @@ def cli_args(command: str) -> tuple[str, list[str]] | None:
         image = next(i for i, w in enumerate(words) if w == "p2p-diloco-peer")
         return "run_peer", words[image + 1:]
     for i, word in enumerate(words):
-        name = Path(word).name
+        name = Path(word.removesuffix(")")).name  # torchrun ... $(which run_peer) ...
         if name in ("run_peer", "run_bootstrap"):
             return name, words[i + 1:]
         if word == "-m" and words[i + 1] == "p2p_diloco.cli.doctor":
