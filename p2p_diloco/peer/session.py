@@ -40,6 +40,7 @@ import torch
 
 from p2p_diloco.core.delayed import StalenessPolicy
 from p2p_diloco.core.dylu import DyLU, late_start_steps
+from p2p_diloco.core.evidence import Evidence
 from p2p_diloco.core.hivemind_codecs import wire_compression
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import RoundDriver
@@ -50,6 +51,7 @@ from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
 from p2p_diloco.swarm import SwarmStartError, params_sha256
+from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.trainer import InnerStats
 
@@ -83,7 +85,9 @@ class SwarmSession:
         self.swarm = Swarm(cfg.swarm, fingerprint, self.state.anchors,
                            wire_compression(cfg.outer.compression, cfg.outer.error_feedback), faults.swarm_hook())
         eager = cfg.outer.overlap == "eager"
-        self.port = SwarmPort(self.swarm, self.state, params, list(listeners or []), faults, eager)
+        trusted = read_allowed_peers(cfg.swarm.trusted_peers, "trusted_peers") if cfg.swarm.trusted_peers else ()
+        self.port = SwarmPort(self.swarm, self.state, params, list(listeners or []), faults, eager,
+                              Evidence(trusted=trusted))
         self.driver = RoundDriver(self.state, params, RoundPolicy(policy, cfg.swarm.solo_after_s, eager),
                                   self.port, "", matchmaking_time_s=cfg.swarm.matchmaking_time_s)
         self.dylu = DyLU(cfg.outer.local_steps, min_steps=cfg.outer.min_local_steps)
@@ -184,15 +188,21 @@ class SwarmSession:
             )
 
     def _join(self, swarm_epoch: int) -> str | None:
-        """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear."""
+        """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear. Each
+        failed try makes untrusted claims of that epoch unbacked (``core.evidence``), so a claim nobody
+        serves gives way to the next one believed."""
         self.port.notify("status", "syncing", swarm_epoch)
         deadline = time.monotonic() + self.cfg.swarm.state_download_timeout_s
         while time.monotonic() < deadline:
             if self.port.resync(swarm_epoch, timeout=max(1.0, deadline - time.monotonic())):
                 self.driver.new_state()
                 return f"joined at epoch {self.epoch}"
-            logger.info("No peer shares the state of epoch %d yet; retrying", swarm_epoch)
+            logger.info("No peer shares an acceptable state of epoch %d yet; retrying", swarm_epoch)
             time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+            believed = self.port.swarm_epoch()
+            if believed is None or believed <= self.epoch:
+                return None
+            swarm_epoch = believed
         logger.warning("No peer shared its state within %.0f s; training from our own state at epoch %d",
                        self.cfg.swarm.state_download_timeout_s, self.epoch)
         return None
