@@ -25,6 +25,7 @@ from p2p_diloco.peer.faults import FaultHooks
 from p2p_diloco.peer.report import SessionListener
 from p2p_diloco.swarm.checksum import state_sha256
 from p2p_diloco.swarm.facade import Swarm
+from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT
 from p2p_diloco.swarm.records import PeerProgress
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,18 @@ class SwarmPort:
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+        weight, stale_weight = self._capped(weight), self._capped(stale_weight)
         result = self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight)
         self.saw(result)
         return result
+
+    def _capped(self, weight: float) -> float:
+        """Claim at most ``max_round_weight``: every member refuses (and bans) a claim above it, and work
+        carried over many skipped rounds is still applied, only weighted as that much."""
+        cap = self.swarm.cfg.max_round_weight or DEFAULT_MAX_ROUND_WEIGHT
+        if weight > cap:
+            logger.info("Claiming a weight of %.4g instead of %.4g: max_round_weight", cap, weight)
+        return min(weight, cap)
 
     def saw(self, result: RoundResult | None) -> None:
         """A complete all-reduce vouches for its members; members rejected in it are trusted no more."""
@@ -151,7 +161,8 @@ class SwarmPort:
 
     def launch(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> bool:
-        return self.overlap.launch(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight)
+        return self.overlap.launch(delta, self._capped(weight), staleness, epoch, stale=stale,
+                                   stale_weight=self._capped(stale_weight))
 
     def discard(self, why: str) -> None:
         if self.overlap is not None:

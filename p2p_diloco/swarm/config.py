@@ -199,8 +199,10 @@ class SwarmConfig:
     is good for home links; smaller parts detect faults sooner but cost more per-message overhead."""
 
     bandwidth_mbps: float | None = None
-    """This peer's upload bandwidth in Mbit/s, used to give faster peers a larger share of the reduction.
-    ``None`` assumes the group's average; 0 makes this peer aggregate nothing."""
+    """This peer's upload bandwidth in Mbit/s, used to give faster peers a larger share of the reduction in a
+    private swarm (``allowed_peers``); among strangers a bandwidth is an unverifiable claim, and every full
+    member reduces an equal share (``group.balancing_bandwidths``). ``None`` assumes the group's average; 0
+    makes this peer aggregate nothing."""
 
     state_download_timeout_s: float = 600.0
     """Deadline for downloading the model and outer-optimizer state from one donor, 1-86400 s. About 2x
@@ -254,10 +256,14 @@ class SwarmConfig:
     trusts nobody yet and follows the swarm's largest epoch, which a Sybil can claim. Give it in an open
     swarm whose organisers keep a few peers online. ``None``: trust is built from rounds only."""
 
-    max_round_weight: float = 1e8
+    max_round_weight: float | None = None
     """Largest weight (samples) a member may claim for one round; members claiming more are refused and banned
-    for the run. Set it above the most samples the fastest peer can process in one round, e.g. 10x
-    (batch size x local steps). Every peer of a run must use the same value."""
+    for the run, and this peer never claims more itself (work carried over skipped rounds beyond it counts
+    as this much). Default: what the run's configuration makes possible, ``ROUNDS_OF_WORK`` (4) rounds of
+    ``batch_size x local_steps`` samples, so one member weighs at most 4x a full honest round, instead of the
+    1000x its group's median that ``weight_outlier_ratio`` allows (with ``mean`` that was 99.9% of a group
+    of 3). Every peer of a run must use the same value: the same ``--batch-size`` and ``--local-steps``, or
+    this flag set explicitly. A bare swarm (no training config) uses 1e8."""
 
     weight_outlier_ratio: float = 1000.0
     """A member claiming more than this many times the group's median weight is refused and banned, 1-1e12.
@@ -337,7 +343,8 @@ class SwarmConfig:
             read_allowed_peers(self.allowed_peers)
         if self.trusted_peers is not None:
             read_allowed_peers(self.trusted_peers, "trusted_peers")
-        _check_range("max_round_weight", self.max_round_weight, 1, 1e12)
+        if self.max_round_weight is not None:
+            _check_range("max_round_weight", self.max_round_weight, 1, 1e12)
         _check_range("weight_outlier_ratio", self.weight_outlier_ratio, 1, 1e12)
         _check_range("norm_outlier_factor", self.norm_outlier_factor, 0, 1e12)
         if 0 < self.norm_outlier_factor < 2:

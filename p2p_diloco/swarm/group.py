@@ -34,6 +34,8 @@ from p2p_diloco.swarm.config import RUN_ID_PATTERN
 
 GATHER_VERSION = 2
 MAX_WEIGHT = 1e12
+DEFAULT_MAX_ROUND_WEIGHT = 1e8
+"""``SwarmConfig.max_round_weight`` of a bare swarm (a peer derives it from its training configuration)."""
 MAX_NORM = 1e30
 MAX_STALENESS = 10**6
 _MAX_GATHER_BYTES = 4096
@@ -241,6 +243,20 @@ def decode_gather(raw: Any) -> tuple[float | None, AveragingMode, MemberInfo]:
         AveragingMode(mode_id),
         MemberInfo.from_wire(user),
     )
+
+
+def balancing_bandwidths(bandwidths: Sequence[float | None], *, private: bool) -> list[float | None]:
+    """The bandwidths hivemind's load balancing gets: the announced ones in a private swarm, else none.
+
+    Load balancing gives each member a share of the vector to reduce by its bandwidth, and a bandwidth is
+    only a claim. hivemind's linear program is extreme: ``load_balance_peers(n, [20, 10, 10])`` already hands
+    the first member the whole vector, so it reduces every part of every member (and a reducer's output is
+    bounded, not checked exactly). Among strangers every full member therefore reduces an equal share
+    (``None``: hivemind spreads evenly; clients keep 0). Among ``allowed_peers`` claims are trusted and used.
+    """
+    if private:
+        return list(bandwidths)
+    return [0.0 if b == 0.0 else None for b in bandwidths]
 
 
 def implausible_weights(

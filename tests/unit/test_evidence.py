@@ -121,6 +121,8 @@ class ScriptedSwarm:
     """What ``SwarmPort`` asks of ``swarm.facade.Swarm``, scripted: records, votes, downloads, rounds."""
 
     peer_id: str = "me"
+    cfg: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_round_weight=100.0))
+    averaged: list[tuple[float, float]] = field(default_factory=list)
     claims: dict[str, int] = field(default_factory=dict)
     votes: dict[str, str] = field(default_factory=dict)
     donor: SimpleNamespace | None = None
@@ -140,7 +142,8 @@ class ScriptedSwarm:
     def serve(self, anchors, momentum, epoch, *, checksum) -> None:  # noqa: ANN001
         pass
 
-    def average(self, *args) -> RoundResult:  # noqa: ANN002
+    def average(self, delta, weight, staleness, epoch, stale, stale_weight) -> RoundResult:  # noqa: ANN001
+        self.averaged.append((weight, stale_weight))
         return self.result
 
 
@@ -183,3 +186,11 @@ def test_port_checksum_vote_counts_groupmates_not_sybils() -> None:
     assert port.in_minority(2)  # the one peer it averaged with holds other parameters: it drifted
     swarm.votes["a"] = mine
     assert not port.in_minority(2)
+
+
+def test_port_never_claims_more_than_max_round_weight() -> None:
+    swarm = ScriptedSwarm(result=RoundResult(Outcome.SKIPPED, "alone", 0))
+    port, _ = _port(swarm)
+    port.average([torch.zeros(4)], 1e6, 1, 0, [torch.zeros(4)], 250.0)  # e.g. work carried over many rounds
+    port.average([torch.zeros(4)], 40.0, 0, 0, None, 0.0)
+    assert swarm.averaged == [(100.0, 100.0), (40.0, 0.0)]
