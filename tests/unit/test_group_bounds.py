@@ -3,6 +3,7 @@ from the run's configuration (batch size x local steps x a few rounds of carried
 
 from __future__ import annotations
 
+import torch
 from hivemind.averaging.load_balancing import load_balance_peers
 
 from p2p_diloco.peer.config import ROUNDS_OF_WORK, PeerConfig
@@ -27,3 +28,34 @@ def test_the_weight_cap_follows_the_run_configuration() -> None:
     explicit.swarm.max_round_weight = 5e5
     explicit.__post_init__()
     assert explicit.swarm.max_round_weight == 5e5
+
+
+def test_a_part_is_judged_on_its_wire_fields_before_decoding() -> None:
+    from hivemind.compression import (
+        CompressionInfo,
+        Float16Compression,
+        NoCompression,
+        serialize_torch_tensor,
+    )
+    from hivemind.proto import runtime_pb2
+
+    from p2p_diloco.core.hivemind_codecs import CodecCompression
+    from p2p_diloco.swarm.runner import wire_part_problem
+
+    plain = NoCompression().compression_type
+    part = serialize_torch_tensor(torch.ones(6, 8), runtime_pb2.CompressionType.NONE)
+    assert wire_part_problem(part, (6, 8), plain) is None
+    assert "shape" in wire_part_problem(part, (48,), plain)
+    half = Float16Compression().compress(torch.ones(6, 8), CompressionInfo.from_tensor(torch.ones(6, 8)))
+    assert "compressed as type" in wire_part_problem(half, (6, 8), plain)  # the sender may not pick it
+    ours = CodecCompression("4bit")
+    packed = ours.compress(torch.ones(6, 8), CompressionInfo.from_tensor(torch.ones(6, 8)))
+    assert wire_part_problem(packed, (6, 8), ours.compression_type) is None
+    # a small part claiming a huge shape, and a huge buffer behind a small shape, are never decoded
+    liar = serialize_torch_tensor(torch.ones(6, 8), runtime_pb2.CompressionType.NONE)
+    del liar.size[:]
+    liar.size.extend([10**6, 10**6])
+    assert "shape" in wire_part_problem(liar, (6, 8), plain)
+    padded = serialize_torch_tensor(torch.ones(6, 8), runtime_pb2.CompressionType.NONE)
+    padded.buffer += b"\0" * 10**5
+    assert "bytes for 48 values" in wire_part_problem(padded, (6, 8), plain)
