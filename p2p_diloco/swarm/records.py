@@ -56,6 +56,10 @@ _MAX_SUBKEYS = 1024
 """Subkeys read per key: far above any expected swarm; beyond it signed-looking subkeys are kept first and the
 rest is dropped (as ``oversized``) without being parsed."""
 _DHT_TIMEOUT_S = 30.0
+MAX_RECORD_TTL_S = 86400.0 + 3600.0
+"""No peer stores a record for longer than a day (``progress_ttl_s`` and ``checksum_ttl_s`` are capped at
+86400 s), plus an hour of clock skew; an entry expiring later is junk meant to outlive its writer (a
+far-future record would pin a claim, or fill the key, for ever) and is dropped as malformed."""
 
 
 class ProgressRecord(BaseModel):
@@ -169,6 +173,9 @@ def _parse_entry(subkey: Any, entry: Any, now: float) -> tuple[str, Any] | Rejec
         return Rejection("malformed", owner, f"entry of type {type(entry).__name__}")
     if not isinstance(entry.expiration_time, (int, float)) or not entry.expiration_time > now:
         return None
+    if entry.expiration_time > now + MAX_RECORD_TTL_S:
+        return Rejection("malformed", owner, f"expires in {entry.expiration_time - now:.3g} s, over the "
+                                             f"{MAX_RECORD_TTL_S:.0f} s any peer sets")
     return owner, entry.value
 
 
