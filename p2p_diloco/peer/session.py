@@ -197,11 +197,14 @@ class SwarmSession:
             if self.port.resync(swarm_epoch, timeout=max(1.0, deadline - time.monotonic())):
                 self.driver.new_state()
                 return f"joined at epoch {self.epoch}"
-            logger.info("No peer shares an acceptable state of epoch %d yet; retrying", swarm_epoch)
-            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
             believed = self.port.swarm_epoch()
             if believed is None or believed <= self.epoch:
+                logger.info("No peer served an acceptable state of epoch %d, and no other claim is believed: "
+                            "training from our own state at epoch %d", swarm_epoch, self.epoch)
                 return None
+            if believed == swarm_epoch:  # still believed (a trusted donor busy, or none yet): wait a little
+                logger.info("No peer shares an acceptable state of epoch %d yet; retrying", swarm_epoch)
+                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
             swarm_epoch = believed
         logger.warning("No peer shared its state within %.0f s; training from our own state at epoch %d",
                        self.cfg.swarm.state_download_timeout_s, self.epoch)
