@@ -173,19 +173,25 @@ class SwarmSession:
         return how
 
     def _refuse_other_models(self) -> None:
-        """Stop with a clear message when this run's peers all train another model than ours.
+        """Stop with a clear message when this run's peers all train another model than ours, on evidence.
 
         Averaging could not mix them anyway (the fingerprint is part of the matchmaking key), but a peer
-        that silently trains alone is the worst outcome for a volunteer.
+        that silently trains alone is the worst outcome for a volunteer. A progress record is a free claim,
+        though: one record of another fingerprint from a throwaway id would keep every joiner out. So the
+        peer stops only when a ``--trusted-peers`` peer trains the other model; otherwise it warns (naming
+        the fix for a misconfiguration) and starts.
         """
         others = [r for r in self.swarm.all_records() if r.peer_id != self.peer_id]
-        if others and all(r.fingerprint != self.fingerprint for r in others):
-            theirs = sorted({r.fingerprint for r in others})
-            raise SwarmStartError(
-                f"refused: the {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} train a model with fingerprint "
-                f"{', '.join(theirs)}, ours is {self.fingerprint}. Use the run's --model, --seq-len and "
-                "--tokenizer, or another --run-id to start a separate run"
-            )
+        if not others or any(r.fingerprint == self.fingerprint for r in others):
+            return
+        theirs = sorted({r.fingerprint for r in others})
+        message = (f"the {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} train a model with fingerprint "
+                   f"{', '.join(theirs)}, ours is {self.fingerprint}. Use the run's --model, --seq-len and "
+                   "--tokenizer, or another --run-id to start a separate run")
+        if any(self.port.evidence.trusts(r.peer_id) for r in others):
+            raise SwarmStartError(f"refused: {message}")
+        logger.warning("Starting anyway, as no trusted peer is among them (records are free to forge): %s",
+                       message)
 
     def _join(self, swarm_epoch: int) -> str | None:
         """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear. Each

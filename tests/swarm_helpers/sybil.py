@@ -53,9 +53,22 @@ def _sign(key: Any, raw_key: str, subkey: bytes, value: bytes, expiration: float
     return value + RSASignatureValidator.SIGNATURE_FORMAT.replace(b"_value_", signature)
 
 
-async def _blast(_dht: Any, node: Any, sybils: list[tuple[Any, bytes]], run: str, fingerprint: str,
+@functools.lru_cache(maxsize=1)
+def _keys(paths: tuple[str, ...]) -> list[tuple[Any, bytes]]:
+    """(key, signed subkey) of each Sybil, loaded in the DHT's process (keys do not travel its pipe)."""
+    out = []
+    for path in paths:
+        data = Path(path).read_bytes()
+        key = load_identity_key(data)
+        out.append((key, signed_subkey(PeerID.from_identity(data), key)))
+    return out
+
+
+async def _blast(_dht: Any, node: Any, paths: tuple[str, ...], run: str, fingerprint: str,
                  honest_epoch: int) -> tuple[int, int]:
-    """Store every Sybil's records locally and at every known node; returns (sent, accepted)."""
+    """Store every Sybil's records locally and at every known node; returns (sent, accepted). Runs in the
+    DHT's process."""
+    sybils = _keys(paths)
     exp = get_dht_time() + 30
     record = dict(epoch=INFLATED_EPOCH, inner_step=10**7, steps_per_s=1.0, samples_per_s=4.0, tokens_per_s=256.0,
                   fingerprint=fingerprint, time=get_dht_time(), client_mode=False)
@@ -79,14 +92,8 @@ async def _blast(_dht: Any, node: Any, sybils: list[tuple[Any, bytes]], run: str
 def main() -> None:
     maddr, run, workdir, out_path, k = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
     workdir.mkdir(parents=True, exist_ok=True)
-    sybils, ids = [], []
-    for i in range(k):
-        path = str(workdir / f"sybil{i}.id")
-        ensure_identity(path)
-        data = Path(path).read_bytes()
-        key, peer = load_identity_key(data), PeerID.from_identity(data)
-        sybils.append((key, signed_subkey(peer, key)))
-        ids.append(peer.to_base58())
+    paths = tuple(str(workdir / f"sybil{i}.id") for i in range(k))
+    ids = [ensure_identity(path) for path in paths]
     node_path = str(workdir / "node.id")
     ensure_identity(node_path)
     dht = hivemind.DHT(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=node_path,
@@ -111,7 +118,7 @@ def main() -> None:
                     fingerprint = value["fingerprint"]  # as convincing as possible
                 if isinstance(value.get("epoch"), int) and value["epoch"] < INFLATED_EPOCH:
                     honest_epoch = max(honest_epoch, value["epoch"])
-        blast = functools.partial(_blast, sybils=sybils, run=run, fingerprint=fingerprint, honest_epoch=honest_epoch)
+        blast = functools.partial(_blast, paths=paths, run=run, fingerprint=fingerprint, honest_epoch=honest_epoch)
         sent, accepted = dht.run_coroutine(blast)
         report["sent"] += sent
         report["accepted"] += accepted
