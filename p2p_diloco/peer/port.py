@@ -75,6 +75,12 @@ class SwarmPort:
         self.notify("swarm", self.peers_visible, self.evidence.swarm_epoch(self.claims))
         return records
 
+    def trusted_speeds(self) -> list[tuple[str, float]]:
+        """``(peer id, steps/s)`` published by the trusted peers among this run's records (read now): what
+        DyLU may compare with. Untrusted speeds are free claims that would shrink everybody's H."""
+        return [(r.peer_id, r.steps_per_s) for r in self.records()
+                if r.peer_id != self.swarm.peer_id and r.steps_per_s > 0 and self.evidence.trusts(r.peer_id)]
+
     def trusted_or_none(self) -> frozenset[str] | None:
         """The peers whose donors and checksums this one trusts, ``None`` when none of them is online."""
         return self.evidence.trusted_or_none(c.peer_id for c in self.claims)

@@ -226,10 +226,13 @@ class SwarmSession:
     # ------------------------------------------------------------------ per round
 
     def local_steps(self) -> int:
-        """This round's inner steps: H for the fastest peer, proportionally fewer for slower ones."""
-        for record in self.port.records():
-            if record.peer_id != self.peer_id and record.steps_per_s > 0:
-                self.dylu.observe(record.peer_id, record.steps_per_s)
+        """This round's inner steps: H for the fastest peer, proportionally fewer for slower ones.
+
+        Only trusted peers' speeds count (``core.evidence``: peers this one averaged with, or
+        ``--trusted-peers``): a published speed is a free claim, and one record claiming 10^12 steps/s
+        would otherwise cut every honest peer down to ``min_local_steps``."""
+        for peer, steps_per_s in self.port.trusted_speeds():
+            self.dylu.observe(peer, steps_per_s)
         steps = self.dylu.local_steps(self.my_speed)
         late_s, self.port.late_start_s = self.port.late_start_s, 0.0
         self.planned_steps = steps

@@ -124,13 +124,15 @@ class ScriptedSwarm:
     cfg: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_round_weight=100.0))
     averaged: list[tuple[float, float]] = field(default_factory=list)
     claims: dict[str, int] = field(default_factory=dict)
+    speeds: dict[str, float] = field(default_factory=dict)
     votes: dict[str, str] = field(default_factory=dict)
     donor: SimpleNamespace | None = None
     downloads: list[tuple[int, frozenset[str] | None]] = field(default_factory=list)
     result: RoundResult | None = None
 
     def records(self) -> list[SimpleNamespace]:
-        return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False) for p, e in self.claims.items()]
+        return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0))
+                for p, e in self.claims.items()]
 
     def checksum_votes(self, epoch: int) -> dict[str, str]:
         return dict(self.votes)
@@ -194,3 +196,11 @@ def test_port_never_claims_more_than_max_round_weight() -> None:
     port.average([torch.zeros(4)], 1e6, 1, 0, [torch.zeros(4)], 250.0)  # e.g. work carried over many rounds
     port.average([torch.zeros(4)], 40.0, 0, 0, None, 0.0)
     assert swarm.averaged == [(100.0, 100.0), (40.0, 0.0)]
+
+
+def test_port_dylu_compares_only_trusted_speeds() -> None:
+    swarm = ScriptedSwarm(claims={"me": 0, "a": 0, "liar": 0}, speeds={"me": 2.0, "a": 3.0, "liar": 1e12})
+    port, _ = _port(swarm)
+    assert port.trusted_speeds() == []  # a claimed 10^12 steps/s would have cut everybody to min_local_steps
+    port.evidence.averaged_with(["a"])
+    assert port.trusted_speeds() == [("a", 3.0)]
