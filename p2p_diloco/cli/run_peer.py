@@ -184,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Stop:
         display.clear()
         print("stopping", flush=True)
+    except SwarmStartError as e:  # the averager process died mid-run (Swarm.check_alive)
+        display.clear()
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)

@@ -244,7 +244,9 @@ class SwarmSession:
         return self.planned_steps
 
     def begin_round(self) -> None:
-        """Start the inner phase from the anchors (unless the last round was skipped: then train on)."""
+        """Start the inner phase from the anchors (unless the last round was skipped: then train on).
+        ``SwarmStartError`` when the averager process died (see ``Swarm.check_alive``)."""
+        self.swarm.check_alive()
         self.driver.begin()
         self.faults.set_epoch(self.epoch)
         self.port.notify("status", "training", self.epoch)

@@ -18,7 +18,7 @@ from hivemind.compression import CompressionBase
 from p2p_diloco.core.rounds import RoundResult
 from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.config import SwarmConfig
-from p2p_diloco.swarm.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import (
     PeerProgress,
@@ -69,6 +69,20 @@ class Swarm:
             self.averager.shutdown()
         if self.dht is not None:
             self.dht.shutdown()
+
+    def check_alive(self) -> None:
+        """Raise ``SwarmStartError`` (with what to do) when the averager process died.
+
+        Without it the peer would go on skipping every round (``RoundAverager.average`` answers "not
+        running") and train alone without saying so. A peer whose averager died stops instead; its last
+        checkpoint resumes it.
+        """
+        averager = self.averager
+        if averager is not None and not averager.is_alive():
+            raise SwarmStartError(
+                f"the averager process stopped (exit code {averager.exitcode}); this peer can no longer average. "
+                "Restart it (with --checkpoint-dir it resumes from its last checkpoint) and check the log above "
+                "for why it stopped (out of memory, killed)")
 
     @property
     def peer_id(self) -> str:

@@ -59,3 +59,20 @@ def test_a_part_is_judged_on_its_wire_fields_before_decoding() -> None:
     padded = serialize_torch_tensor(torch.ones(6, 8), runtime_pb2.CompressionType.NONE)
     padded.buffer += b"\0" * 10**5
     assert "bytes for 48 values" in wire_part_problem(padded, (6, 8), plain)
+
+
+def test_a_dead_averager_stops_the_peer_with_what_to_do() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+
+    from p2p_diloco.swarm import SwarmConfig, SwarmStartError
+    from p2p_diloco.swarm.facade import Swarm
+
+    swarm = Swarm(SwarmConfig.for_loopback(), "abcdef0123456789", [torch.zeros(2)])
+    swarm.check_alive()  # not started: nothing to say
+    swarm.averager = SimpleNamespace(is_alive=lambda: True, exitcode=None)  # type: ignore[assignment]
+    swarm.check_alive()
+    swarm.averager = SimpleNamespace(is_alive=lambda: False, exitcode=-9)  # type: ignore[assignment]
+    with pytest.raises(SwarmStartError, match=r"averager process stopped \(exit code -9\).*Restart it"):
+        swarm.check_alive()
