@@ -266,8 +266,10 @@ class SwarmConfig:
     this flag set explicitly. A bare swarm (no training config) uses 1e8."""
 
     weight_outlier_ratio: float = 1000.0
-    """A member claiming more than this many times the group's median weight is refused and banned, 1-1e12.
-    DyLU gives slow peers fewer steps, so honest weights differ by a few x; keep it well above that."""
+    """A member claiming more than this many times the group's lower-median weight is left out of the round,
+    1-1e12 (not banned: the median is made of other members' claims, which Sybils with tiny claims control;
+    ``max_round_weight`` is the cap that bans). DyLU gives slow peers fewer steps, so honest weights differ
+    by a few x; keep it well above that."""
 
     norm_outlier_factor: float = 20.0
     """A reducer rejects (and bans) a sender whose part of the pseudo-gradient is longer than this many times

@@ -299,8 +299,8 @@ def plan_group(
     compatible member compares against the same values, they all compute the same subset, and the all-reduce
     proceeds over it; a refused member, comparing against its own values, ends up in a different subset.
     Members outside ``allowed`` and members claiming implausible weights (``implausible_weights``) are
-    refused too and listed in ``rejected``; every member must use the same ``max_weight``, ``weight_ratio``
-    and ``allowed`` for the plans to agree.
+    refused too; those outside ``allowed`` or over ``max_weight`` are listed in ``rejected`` (to be banned).
+    Every member must use the same ``max_weight``, ``weight_ratio`` and ``allowed`` for the plans to agree.
     """
     if len(peer_ids) != len(gathered) or me not in peer_ids:
         raise ValueError("group description is inconsistent")
@@ -344,7 +344,12 @@ def plan_group(
     implausible = implausible_weights([info for _, _, info in keep], max_weight, weight_ratio)
     for index in sorted(implausible):
         refused.append((keep_ids[index].to_base58(), implausible[index]))
-        rejected.append(refused[-1])
+        info = keep[index][2]
+        if max(info.weight, info.stale_weight) > max_weight:
+            # Banned only over the run-wide cap, which no honest peer exceeds (it caps its own claims). The
+            # median rule compares with the group's other claims, which Sybils control (a few claiming tiny
+            # weights would get an honest peer banned for the run): it only leaves the claim out of this round.
+            rejected.append(refused[-1])
     keep_ids = [p for i, p in enumerate(keep_ids) if i not in implausible]
     keep = [e for i, e in enumerate(keep) if i not in implausible]
 

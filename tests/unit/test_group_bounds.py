@@ -76,3 +76,23 @@ def test_a_dead_averager_stops_the_peer_with_what_to_do() -> None:
     swarm.averager = SimpleNamespace(is_alive=lambda: False, exitcode=-9)  # type: ignore[assignment]
     with pytest.raises(SwarmStartError, match=r"averager process stopped \(exit code -9\).*Restart it"):
         swarm.check_alive()
+
+
+def test_sybils_claiming_tiny_weights_cannot_get_an_honest_peer_banned() -> None:
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.p2p import PeerID
+
+    from p2p_diloco.swarm.group import MemberInfo, encode_gather, plan_group
+
+    def member(weight: float) -> bytes:
+        info = MemberInfo.for_round("run", "abcdef01", 3, weight, 0.0, 0, True, False, norm=1.0, stale_norm=0.0)
+        return encode_gather(None, AveragingMode.NODE, info)
+
+    ids = [PeerID(bytes([i + 1]) * 34) for i in range(5)]
+    weights = [64.0, 1e-6, 1e-6, 1e-6, 1e11]  # an honest peer, three Sybils, a liar over the cap
+    plan = plan_group(ids, [member(w) for w in weights], ids[1], min_group_size=2, max_weight=1e8,
+                      weight_ratio=1000.0)
+    refused = dict(plan.refused)
+    assert "median" in refused[ids[0].to_base58()]  # left out of this round by the Sybils' claims ...
+    banned = {peer for peer, _ in plan.rejected}
+    assert banned == {ids[4].to_base58()}  # ... but only the claim over the run-wide cap is banned
