@@ -16,8 +16,10 @@ epochs and digests):
   That is what lets an honest peer that stepped alone before the others arrived bring them to its state,
   and keeps the swarm from splitting at start-up: newcomers adopt its state and vouch for it on download.
 - **Unbacked claims**: when a peer acts on untrusted claims (it is not anchored) and no donor serves an
-  acceptable state of that epoch, every untrusted peer claiming that epoch or more is ignored for
-  ``unbacked_for_s``. A claim with nothing behind it costs one failed download, then stops stalling the peer.
+  acceptable state of that epoch, every untrusted peer claiming that epoch or more is ignored for a while:
+  ``UNBACKED_FIRST_S``, doubling with each further failure up to ``UNBACKED_MAX_S``. A claim with nothing
+  behind it costs one failed download per window, then stops stalling the peer; an honest donor that was
+  only slow is believed again a minute later.
 - **Checksum votes** count only trusted voters (:func:`outvoted`): a peer resyncs because peers it averaged
   with hold other parameters, never because k fresh ids say so.
 - **Donor states** (:func:`state_verdict`): from a trusted donor, accepted unless trusted voters published
@@ -42,8 +44,12 @@ EPOCH_LIMIT = 10**8
 """The largest epoch a record, a donor state or a checkpoint may carry. 10^8 rounds is three centuries at
 one round a minute, and it leaves 9 x 10^8 rounds of headroom below the 10^9 of the wire formats."""
 
-UNBACKED_FOR_S = 900.0
-"""How long untrusted claims with no servable state behind them are ignored (see :meth:`Evidence.unbacked`)."""
+UNBACKED_FIRST_S = 60.0
+"""How long an untrusted claim with no acceptable state behind it is ignored after its first failed
+download; each further failure doubles it, up to :data:`UNBACKED_MAX_S` (see :meth:`Evidence.unbacked`).
+Short at first because an honest donor may just have been slow or busy."""
+
+UNBACKED_MAX_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -101,18 +107,22 @@ class Evidence:
     Args:
         me: this peer's id (never counts as its own anchor).
         trusted: peer ids whose claims and checksums are authoritative (``--trusted-peers``).
-        unbacked_for_s: how long untrusted claims with no acceptable state behind them are ignored.
+        unbacked_s: how long untrusted claims with no acceptable state behind them are ignored after a first
+            failed download, and the most after repeated ones.
         clock: monotonic seconds (the simulator passes its virtual clock).
     """
 
-    def __init__(self, me: str = "", trusted: Iterable[str] = (), *, unbacked_for_s: float = UNBACKED_FOR_S,
+    def __init__(self, me: str = "", trusted: Iterable[str] = (), *,
+                 unbacked_s: tuple[float, float] = (UNBACKED_FIRST_S, UNBACKED_MAX_S),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.me = me
         self.configured = frozenset(trusted)
         self.vouched: set[str] = set()
-        self.unbacked_for_s, self._clock = unbacked_for_s, clock
+        self.unbacked_s, self._clock = unbacked_s, clock
         self._unbacked: dict[str, float] = {}
         """peer id -> until when its (untrusted) claims are ignored."""
+        self._strikes: dict[str, int] = {}
+        """peer id -> failed downloads its claims caused (doubles the next window)."""
 
     def trusts(self, peer: str) -> bool:
         return peer in self.configured or peer in self.vouched
@@ -153,20 +163,25 @@ class Evidence:
             if peer != self.me:
                 self.vouched.add(peer)
                 self._unbacked.pop(peer, None)
+                self._strikes.pop(peer, None)
 
     def adopted_from(self, donor: str) -> None:
         """This peer loaded ``donor``'s verified state: its lineage is ours now."""
         self.averaged_with([donor])
 
-    def unbacked(self, claims: Sequence[Claim], min_epoch: int) -> list[str]:
+    def unbacked(self, claims: Sequence[Claim], min_epoch: int) -> dict[str, float]:
         """No acceptable state of ``min_epoch`` or newer could be downloaded: ignore the untrusted peers
-        claiming it for ``unbacked_for_s``. Trusted claims stay (their donors may be busy or cut off: the
-        round policy carries the work and tries again). Returns the peers now ignored."""
-        until = self._clock() + self.unbacked_for_s
-        marked = [c.peer_id for c in claims
-                  if c.epoch >= min_epoch and c.peer_id != self.me and not self.trusts(c.peer_id)]
-        for peer in marked:
-            self._unbacked[peer] = until
+        claiming it for a while (see ``unbacked_s``). Trusted claims stay (their donors may be busy or cut
+        off: the round policy carries the work and tries again). Returns the peers now ignored, with for how
+        many seconds."""
+        now, (first, most) = self._clock(), self.unbacked_s
+        marked = {}
+        for claim in claims:
+            peer = claim.peer_id
+            if claim.epoch >= min_epoch and peer != self.me and not self.trusts(peer):
+                strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
+                marked[peer] = min(most, first * 2 ** min(strikes - 1, 30))
+                self._unbacked[peer] = now + marked[peer]
         return marked
 
     def forget(self, peer: str) -> None:

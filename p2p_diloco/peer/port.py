@@ -142,7 +142,7 @@ class SwarmPort:
             ignored = self.evidence.unbacked(self.claims, min_epoch)
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours%s", min_epoch,
                            f"; ignoring the epoch claims of {len(ignored)} untrusted peer(s) for "
-                           f"{self.evidence.unbacked_for_s:.0f} s" if ignored else "")
+                           f"{min(ignored.values()):.0f} s or more" if ignored else "")
             return False
         self.evidence.adopted_from(state.donor)
         tensors = {f"param.{i}": t for i, t in enumerate(state.params)}

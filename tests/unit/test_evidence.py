@@ -55,14 +55,18 @@ def test_a_lone_peer_ahead_brings_newcomers_to_its_state_and_is_trusted_for_it()
 
 def test_claims_nobody_serves_are_ignored_for_a_while_then_believed_again() -> None:
     clock = Clock()
-    ev = Evidence("me", unbacked_for_s=100.0, clock=clock)
+    ev = Evidence("me", unbacked_s=(60.0, 900.0), clock=clock)
     claims = [Claim("me", 0), Claim("honest", 3), Claim("liar", 10**6), Claim("liar2", 10**6 - 1)]
     assert ev.swarm_epoch(claims) == 10**6
-    assert sorted(ev.unbacked(claims, 10**6 - 1)) == ["liar", "liar2"]  # one failed try covers both
+    assert ev.unbacked(claims, 10**6 - 1) == {"liar": 60.0, "liar2": 60.0}  # one failed try covers both
     assert ev.swarm_epoch(claims) == 3
-    clock.now = 101.0
+    clock.now = 61.0  # an honest donor that was only slow is believed again soon ...
     assert ev.swarm_epoch(claims) == 10**6
-    ev.averaged_with(["liar"])  # a vouch clears it
+    for window in (120.0, 240.0, 480.0, 900.0, 900.0):  # ... a claim that keeps failing, ever longer
+        assert ev.unbacked(claims, 10**6)["liar"] == window
+    clock.now += 899.0
+    assert ev.swarm_epoch(claims) == 10**6 - 1  # liar2 failed less often: its window ended first
+    ev.averaged_with(["liar"])  # a vouch clears the record
     ev.unbacked(claims, 0)
     assert ev.swarm_epoch(claims) == 10**6
 
