@@ -96,3 +96,41 @@ def test_sybils_claiming_tiny_weights_cannot_get_an_honest_peer_banned() -> None
     assert "median" in refused[ids[0].to_base58()]  # left out of this round by the Sybils' claims ...
     banned = {peer for peer, _ in plan.rejected}
     assert banned == {ids[4].to_base58()}  # ... but only the claim over the run-wide cap is banned
+
+
+def test_state_serving_is_one_download_per_peer_and_a_few_at_once() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from p2p_diloco.swarm.access import MAX_STATE_DOWNLOADS, AccessControlMixin
+
+    class Serving:
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+
+        async def rpc_download_state(self, request, context):  # noqa: ANN001, ANN202
+            await self.gate.wait()
+            yield "state"
+
+    class Donor(AccessControlMixin, Serving):
+        _banned: dict[str, str] = {}  # noqa: RUF012
+        peer_id = PeerID(b"\x01" * 34)
+
+    async def first(donor: Donor, peer: int) -> list[str]:
+        context = SimpleNamespace(remote_id=PeerID(bytes([peer + 2]) * 34))
+        return [m async for m in donor.rpc_download_state(None, context)]
+
+    async def scenario() -> list[list[str]]:
+        donor = Donor()
+        busy = [asyncio.create_task(first(donor, p)) for p in range(MAX_STATE_DOWNLOADS)]
+        await asyncio.sleep(0.05)  # all of them are being served now
+        again, extra = await first(donor, 0), await first(donor, MAX_STATE_DOWNLOADS)
+        donor.gate.set()
+        served = await asyncio.gather(*busy)
+        return [again, extra, *served, await first(donor, MAX_STATE_DOWNLOADS)]
+
+    again, extra, *served, later = asyncio.run(scenario())
+    assert again == [] and extra == []  # a second download by one id, and one past the limit: refused
+    assert served == [["state"]] * MAX_STATE_DOWNLOADS and later == ["state"]  # slots come back
