@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 
 from p2p_diloco.build import build_model_and_tokenizer
 from p2p_diloco.checkpoint import MANIFEST, CheckpointError, load_checkpoint, load_latest
+from p2p_diloco.core.evidence import Claim, Evidence
 from p2p_diloco.data.tokenizer import Tokenizer
 from p2p_diloco.models import ModelLoadError, model_fingerprint
 from p2p_diloco.peer.config import PeerConfig
@@ -44,10 +45,12 @@ from p2p_diloco.swarm import (
     RoundAverager,
     SwarmStartError,
     download_state,
+    fetch_progress,
     params_sha256,
     run_validator,
     start_dht,
 )
+from p2p_diloco.swarm.config import read_allowed_peers
 
 logger = logging.getLogger(__name__)
 
@@ -201,12 +204,27 @@ def _from_swarm(cfg: PeerConfig, fingerprint: str, params: list[torch.nn.Paramet
         # is a zero-byte view, and the received momentum is dropped right away.
         opt = [torch.empty((), dtype=t.dtype).expand(t.shape) for t in templates]
         deadline = time.monotonic() + cfg.swarm.state_download_timeout_s
+        # Which epoch to ask for, and which donors and checksums to believe, as a joining peer decides
+        # (core.evidence): one record claiming a huge epoch must not make every download "too old".
+        trusted = read_allowed_peers(cfg.swarm.trusted_peers, "trusted_peers") if cfg.swarm.trusted_peers else ()
+        evidence = Evidence(dht.peer_id.to_base58(), trusted)
         while True:
             remaining = deadline - time.monotonic()
-            state = download_state(averager, templates, opt, timeout=max(1.0, remaining))
+            try:
+                records = fetch_progress(dht, cfg.swarm.run_id)
+            except Exception as e:  # noqa: BLE001 - a lookup that timed out: ask any donor
+                logger.warning("Could not read the swarm's progress records: %r", e)
+                records = []
+            claims = [Claim(r.peer_id, r.epoch) for r in records
+                      if r.fingerprint == fingerprint and not r.client_mode]
+            min_epoch = evidence.swarm_epoch(claims) or 0
+            state = download_state(averager, templates, opt, timeout=max(1.0, remaining), min_epoch=min_epoch,
+                                   trusted=evidence.trusted_or_none(c.peer_id for c in claims))
             if state is not None or remaining <= RETRY_S:
                 break
-            logger.info("No peer shared an acceptable state yet; retrying for %.0f s more", remaining)
+            evidence.unbacked(claims, min_epoch)
+            logger.info("No peer shared an acceptable state of epoch %d yet; retrying for %.0f s more",
+                        min_epoch, remaining)
             time.sleep(RETRY_S)
         if state is None:
             raise SourceError(

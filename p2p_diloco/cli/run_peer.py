@@ -265,7 +265,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except Stop:
         display.clear()
         print("stopping" if group is None else f"node rank {group.rank}: stopping", flush=True)
-    except NodeError as e:
+    except (NodeError, SwarmStartError) as e:  # SwarmStartError: the averager process died mid-run
         display.clear()
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 1

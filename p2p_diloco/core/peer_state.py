@@ -25,6 +25,7 @@ from torch import Tensor
 from p2p_diloco.core.codecs import ErrorFeedback, get_codec
 from p2p_diloco.core.delayed import RoundAggregate, StalenessPolicy, apply_round
 from p2p_diloco.core.eager import EagerOuterStep
+from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch
 from p2p_diloco.core.outer import OuterOptimizer, make_anchors
 from p2p_diloco.core.pseudograd import pseudo_gradient
 
@@ -148,8 +149,8 @@ class OuterState:
         extra = len([k for k in tensors if k.startswith(ANCHOR_KEY_PREFIX)]) - len(self.anchors)
         if extra:
             raise ValueError(f"state has {extra} more parameter tensors than this model")
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if not plausible_epoch(epoch):
+            raise ValueError(f"epoch must be an integer within [0, {EPOCH_LIMIT}], got {epoch!r}")
         # Validate the optimizer parts on a throwaway optimizer first, so a bad state changes nothing.
         probe = OuterOptimizer([a.clone() for a in self.anchors], lr=self.outer.lr, momentum=self.outer.momentum)
         probe.load_state_tensors(tensors)

@@ -8,6 +8,10 @@ from typing import Literal
 from p2p_diloco.config import TrackingConfig, TrainConfig
 from p2p_diloco.swarm.config import SwarmConfig
 
+ROUNDS_OF_WORK = 4
+"""The default ``max_round_weight`` is this many rounds of ``batch_size x local_steps`` samples: room for an
+honest peer's work carried over a few skipped rounds, and the most any one member can weigh in a group."""
+
 
 @dataclass
 class NodeConfig:
@@ -55,6 +59,8 @@ class PeerConfig(TrainConfig):
         super().__post_init__()
         # One run id for both layers: it names the data seed, the DHT keys and the matchmaking prefix.
         self.swarm.run_id = self.run.run_id
+        if self.swarm.max_round_weight is None:
+            self.swarm.max_round_weight = float(ROUNDS_OF_WORK * self.inner.batch_size * self.outer.local_steps)
         if self.swarm.client_mode and not self.swarm.initial_peers:
             raise ValueError(
                 "swarm.client_mode: a client-mode peer cannot start a swarm (nobody can dial it, and it reduces "

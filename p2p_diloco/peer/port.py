@@ -2,7 +2,9 @@
 swarm (the ``RoundPort`` of :mod:`p2p_diloco.core.round_driver`).
 
 It reads and writes the swarm only through :class:`p2p_diloco.swarm.facade.Swarm`, changes the outer state
-only by loading a verified download, and tells listeners what happens. The decisions are not here.
+only by loading a verified download, and tells listeners what happens. The decisions are not here: which
+epochs, checksum votes and donors to believe is :class:`p2p_diloco.core.evidence.Evidence`'s, fed with what
+this peer saw (its completed rounds, its downloads, the failed ones).
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from typing import Any
 
 import torch
 
+from p2p_diloco.core.evidence import Claim, Evidence, outvoted
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected
 from p2p_diloco.core.rounds import Observation, RoundResult
 from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import FaultHooks
 from p2p_diloco.peer.report import SessionListener
+from p2p_diloco.swarm.checksum import state_sha256
 from p2p_diloco.swarm.facade import Swarm
+from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT
 from p2p_diloco.swarm.records import PeerProgress
 
 logger = logging.getLogger(__name__)
@@ -30,8 +35,13 @@ class SwarmPort:
     """Executes rounds on ``swarm`` for the outer state ``state`` of the model's ``params``."""
 
     def __init__(self, swarm: Swarm, state: OuterState, params: Sequence[torch.Tensor],
-                 listeners: list[SessionListener], faults: FaultHooks, eager: bool) -> None:
+                 listeners: list[SessionListener], faults: FaultHooks, eager: bool,
+                 evidence: Evidence | None = None) -> None:
         self.swarm, self.state, self.params = swarm, state, list(params)
+        self.evidence = evidence or Evidence()
+        """Whom this peer believes (``core.evidence``); its ``me`` is set in :meth:`start`."""
+        self.claims: list[Claim] = []
+        """The epoch claims of the records read last (non-client peers)."""
         self.listeners, self.faults, self.eager = listeners, faults, eager
         self.overlap: EagerOverlap | None = None
         self.peers_visible = 0
@@ -40,6 +50,7 @@ class SwarmPort:
         """Seconds the last state download took (the next phase is shortened by that much; see DyLU)."""
 
     def start(self) -> None:
+        self.evidence.me = self.swarm.peer_id
         if self.eager:
             self.overlap = EagerOverlap(self.swarm, self.swarm.peer_id)
 
@@ -60,15 +71,26 @@ class SwarmPort:
         self.peers_visible = len(records)
         if any(r.peer_id != self.swarm.peer_id for r in records):
             self.last_seen_others = time.monotonic()
-        epochs = [r.epoch for r in records if not r.client_mode]
-        self.notify("swarm", self.peers_visible, max(epochs) if epochs else None)
+        self.claims = [Claim(r.peer_id, r.epoch) for r in records if not r.client_mode]
+        self.notify("swarm", self.peers_visible, self.evidence.swarm_epoch(self.claims))
         return records
+
+    def trusted_speeds(self) -> list[tuple[str, float]]:
+        """``(peer id, steps/s)`` published by the trusted peers among this run's records (read now): what
+        DyLU may compare with. Untrusted speeds are free claims that would shrink everybody's H."""
+        return [(r.peer_id, r.steps_per_s) for r in self.records()
+                if r.peer_id != self.swarm.peer_id and r.steps_per_s > 0 and self.evidence.trusts(r.peer_id)]
+
+    def trusted_or_none(self) -> frozenset[str] | None:
+        """The peers whose donors and checksums this one trusts, ``None`` when none of them is online."""
+        return self.evidence.trusted_or_none(c.peer_id for c in self.claims)
 
     # ------------------------------------------------------------------ RoundPort
 
     def swarm_epoch(self) -> int | None:
-        epochs = [r.epoch for r in self.records() if not r.client_mode]
-        return max(epochs) if epochs else None
+        """The largest epoch this peer believes (``Evidence.swarm_epoch``), not the largest anybody claims."""
+        self.records()
+        return self.evidence.swarm_epoch(self.claims)
 
     def observe(self, epoch: int) -> Observation:
         swarm_epoch = self.swarm_epoch()
@@ -76,7 +98,10 @@ class SwarmPort:
         return Observation(epoch, swarm_epoch, self.peers_visible, unseen_s=unseen)
 
     def in_minority(self, epoch: int) -> bool:
-        return self.swarm.in_minority(epoch, self.state.anchors)
+        """Peers this one trusts (averaged with, or ``--trusted-peers``) published, by strict majority,
+        another digest of parameters and momentum for ``epoch``; other ids' votes do not count."""
+        votes = self.evidence.trusted_votes(self.swarm.checksum_votes(epoch))
+        return outvoted(votes, state_sha256(self.state.anchors, self._momentum()))
 
     def averaging(self, epoch: int) -> None:
         self.notify("status", "averaging", epoch)
@@ -86,16 +111,40 @@ class SwarmPort:
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
-        return self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight)
+        weight, stale_weight = self._capped(weight), self._capped(stale_weight)
+        result = self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight)
+        self.saw(result)
+        return result
+
+    def _capped(self, weight: float) -> float:
+        """Claim at most ``max_round_weight``: every member refuses (and bans) a claim above it, and work
+        carried over many skipped rounds is still applied, only weighted as that much."""
+        cap = self.swarm.cfg.max_round_weight or DEFAULT_MAX_ROUND_WEIGHT
+        if weight > cap:
+            logger.info("Claiming a weight of %.4g instead of %.4g: max_round_weight", cap, weight)
+        return min(weight, cap)
+
+    def saw(self, result: RoundResult | None) -> None:
+        """A complete all-reduce vouches for its members; members rejected in it are trusted no more."""
+        if result is None:
+            return
+        for line in result.rejected:
+            self.evidence.forget(line.split(":", 1)[0])
+        if result.averaged:
+            self.evidence.averaged_with(result.contributors)
 
     def resync(self, min_epoch: int, timeout: float | None = None) -> bool:
         self.notify("status", "syncing", min_epoch)
         began = time.monotonic()
-        state = self.swarm.download(self.state.anchors, min_epoch, timeout)
+        state = self.swarm.download(self.state.anchors, min_epoch, timeout, trusted=self.trusted_or_none())
         self.notify("state_transfer", "received", state is not None)
         if state is None:
-            logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours", min_epoch)
+            ignored = self.evidence.unbacked(self.claims, min_epoch)
+            logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours%s", min_epoch,
+                           f"; ignoring the epoch claims of {len(ignored)} untrusted peer(s) for "
+                           f"{min(ignored.values()):.0f} s or more" if ignored else "")
             return False
+        self.evidence.adopted_from(state.donor)
         tensors = {f"param.{i}": t for i, t in enumerate(state.params)}
         if self.state.outer.momentum > 0:
             # Donors always serve a momentum (zeros when they have none); without momentum there is none to load.
@@ -112,11 +161,14 @@ class SwarmPort:
         self.serve(checksum=not self.eager)
 
     def collect(self, epoch: int, timeout: float) -> Collected:
-        return self.overlap.collect(epoch, timeout)
+        got = self.overlap.collect(epoch, timeout)
+        self.saw(got.result)
+        return got
 
     def launch(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> bool:
-        return self.overlap.launch(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight)
+        return self.overlap.launch(delta, self._capped(weight), staleness, epoch, stale=stale,
+                                   stale_weight=self._capped(stale_weight))
 
     def discard(self, why: str) -> None:
         if self.overlap is not None:
@@ -126,6 +178,9 @@ class SwarmPort:
 
     def serve(self, *, checksum: bool) -> None:
         """Serve the current anchors and momentum to joiners (and publish their checksum if asked)."""
-        momentum = [m if m is not None else torch.zeros_like(a)
-                    for m, a in zip(self.state.outer.momentum_buffers(), self.state.anchors, strict=True)]
-        self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum)
+        self.swarm.serve(self.state.anchors, self._momentum(), self.state.epoch, checksum=checksum)
+
+    def _momentum(self) -> list[torch.Tensor]:
+        """The outer momentum as served and checksummed: zeros where the optimizer keeps none."""
+        return [m if m is not None else torch.zeros_like(a)
+                for m, a in zip(self.state.outer.momentum_buffers(), self.state.anchors, strict=True)]

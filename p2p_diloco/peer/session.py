@@ -40,6 +40,7 @@ import torch
 
 from p2p_diloco.core.delayed import StalenessPolicy
 from p2p_diloco.core.dylu import DyLU, late_start_steps
+from p2p_diloco.core.evidence import Evidence
 from p2p_diloco.core.hivemind_codecs import wire_compression
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import RoundDriver
@@ -50,6 +51,7 @@ from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
 from p2p_diloco.swarm import SwarmStartError, params_sha256
+from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.trainer import InnerStats
 
@@ -83,7 +85,9 @@ class SwarmSession:
         self.swarm = Swarm(cfg.swarm, fingerprint, self.state.anchors,
                            wire_compression(cfg.outer.compression, cfg.outer.error_feedback), faults.swarm_hook())
         eager = cfg.outer.overlap == "eager"
-        self.port = SwarmPort(self.swarm, self.state, params, list(listeners or []), faults, eager)
+        trusted = read_allowed_peers(cfg.swarm.trusted_peers, "trusted_peers") if cfg.swarm.trusted_peers else ()
+        self.port = SwarmPort(self.swarm, self.state, params, list(listeners or []), faults, eager,
+                              Evidence(trusted=trusted))
         self.driver = RoundDriver(self.state, params, RoundPolicy(policy, cfg.swarm.solo_after_s, eager),
                                   self.port, "", matchmaking_time_s=cfg.swarm.matchmaking_time_s)
         self.dylu = DyLU(cfg.outer.local_steps, min_steps=cfg.outer.min_local_steps)
@@ -169,30 +173,45 @@ class SwarmSession:
         return how
 
     def _refuse_other_models(self) -> None:
-        """Stop with a clear message when this run's peers all train another model than ours.
+        """Stop with a clear message when this run's peers all train another model than ours, on evidence.
 
         Averaging could not mix them anyway (the fingerprint is part of the matchmaking key), but a peer
-        that silently trains alone is the worst outcome for a volunteer.
+        that silently trains alone is the worst outcome for a volunteer. A progress record is a free claim,
+        though: one record of another fingerprint from a throwaway id would keep every joiner out. So the
+        peer stops only when a ``--trusted-peers`` peer trains the other model; otherwise it warns (naming
+        the fix for a misconfiguration) and starts.
         """
         others = [r for r in self.swarm.all_records() if r.peer_id != self.peer_id]
-        if others and all(r.fingerprint != self.fingerprint for r in others):
-            theirs = sorted({r.fingerprint for r in others})
-            raise SwarmStartError(
-                f"refused: the {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} train a model with fingerprint "
-                f"{', '.join(theirs)}, ours is {self.fingerprint}. Use the run's --model, --seq-len and "
-                "--tokenizer, or another --run-id to start a separate run"
-            )
+        if not others or any(r.fingerprint == self.fingerprint for r in others):
+            return
+        theirs = sorted({r.fingerprint for r in others})
+        message = (f"the {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} train a model with fingerprint "
+                   f"{', '.join(theirs)}, ours is {self.fingerprint}. Use the run's --model, --seq-len and "
+                   "--tokenizer, or another --run-id to start a separate run")
+        if any(self.port.evidence.trusts(r.peer_id) for r in others):
+            raise SwarmStartError(f"refused: {message}")
+        logger.warning("Starting anyway, as no trusted peer is among them (records are free to forge): %s",
+                       message)
 
     def _join(self, swarm_epoch: int) -> str | None:
-        """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear."""
+        """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear. Each
+        failed try makes untrusted claims of that epoch unbacked (``core.evidence``), so a claim nobody
+        serves gives way to the next one believed."""
         self.port.notify("status", "syncing", swarm_epoch)
         deadline = time.monotonic() + self.cfg.swarm.state_download_timeout_s
         while time.monotonic() < deadline:
             if self.port.resync(swarm_epoch, timeout=max(1.0, deadline - time.monotonic())):
                 self.driver.new_state()
                 return f"joined at epoch {self.epoch}"
-            logger.info("No peer shares the state of epoch %d yet; retrying", swarm_epoch)
-            time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+            believed = self.port.swarm_epoch()
+            if believed is None or believed <= self.epoch:
+                logger.info("No peer served an acceptable state of epoch %d, and no other claim is believed: "
+                            "training from our own state at epoch %d", swarm_epoch, self.epoch)
+                return None
+            if believed == swarm_epoch:  # still believed (a trusted donor busy, or none yet): wait a little
+                logger.info("No peer shares an acceptable state of epoch %d yet; retrying", swarm_epoch)
+                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+            swarm_epoch = believed
         logger.warning("No peer shared its state within %.0f s; training from our own state at epoch %d",
                        self.cfg.swarm.state_download_timeout_s, self.epoch)
         return None
@@ -207,10 +226,13 @@ class SwarmSession:
     # ------------------------------------------------------------------ per round
 
     def local_steps(self) -> int:
-        """This round's inner steps: H for the fastest peer, proportionally fewer for slower ones."""
-        for record in self.port.records():
-            if record.peer_id != self.peer_id and record.steps_per_s > 0:
-                self.dylu.observe(record.peer_id, record.steps_per_s)
+        """This round's inner steps: H for the fastest peer, proportionally fewer for slower ones.
+
+        Only trusted peers' speeds count (``core.evidence``: peers this one averaged with, or
+        ``--trusted-peers``): a published speed is a free claim, and one record claiming 10^12 steps/s
+        would otherwise cut every honest peer down to ``min_local_steps``."""
+        for peer, steps_per_s in self.port.trusted_speeds():
+            self.dylu.observe(peer, steps_per_s)
         steps = self.dylu.local_steps(self.my_speed)
         late_s, self.port.late_start_s = self.port.late_start_s, 0.0
         self.planned_steps = steps
@@ -222,7 +244,9 @@ class SwarmSession:
         return self.planned_steps
 
     def begin_round(self) -> None:
-        """Start the inner phase from the anchors (unless the last round was skipped: then train on)."""
+        """Start the inner phase from the anchors (unless the last round was skipped: then train on).
+        ``SwarmStartError`` when the averager process died (see ``Swarm.check_alive``)."""
+        self.swarm.check_alive()
         self.driver.begin()
         self.faults.set_epoch(self.epoch)
         self.port.notify("status", "training", self.epoch)

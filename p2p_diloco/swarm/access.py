@@ -21,11 +21,19 @@ from p2p_diloco.swarm.quorum import EarlyAssembly
 logger = logging.getLogger(__name__)
 
 
+MAX_STATE_DOWNLOADS = 4
+"""State downloads this peer serves at once. Each streams the whole model (at 1B parameters, 4 GB of
+parameters plus 4 GB of momentum) through this peer's upload and CPU; beyond it a joiner is refused and tries
+its next donor. One per peer: a second concurrent download by the same id is refused."""
+
+
 class AccessControlMixin:
     """Checks on the averager's RPC handlers; ``_allowed`` (``None``: anyone) and ``_banned`` are set by the
     averager before its process starts."""
 
     _allowed: frozenset[str] | None = None
+    _serving: dict[str, int] | None = None
+    """Peer id -> state downloads being served to it (the averager process's event loop only)."""
     _banned: dict[str, str]
     _join_timing: JoinTiming
     _early: EarlyAssembly
@@ -124,11 +132,22 @@ class AccessControlMixin:
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's state download, closed to peers that are not allowed or banned."""
+        """hivemind's state download, closed to peers that are not allowed or banned, at most one per peer and
+        ``MAX_STATE_DOWNLOADS`` at once (a refused joiner gets an empty answer and asks its next donor)."""
         reason = self._refuse(context.remote_id)
+        peer = context.remote_id.to_base58()
+        serving = self._serving = self._serving if self._serving is not None else {}
+        if reason is None and peer in serving:
+            reason = "it is already downloading our state"
+        if reason is None and sum(serving.values()) >= MAX_STATE_DOWNLOADS:
+            reason = f"{MAX_STATE_DOWNLOADS} downloads are being served already"
         if reason is not None:
             logger.warning("Refused a state download by %s: %s", context.remote_id, reason)
             return
-        async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
-            yield message
+        serving[peer] = 1
+        try:
+            async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
+                yield message
+        finally:
+            serving.pop(peer, None)
 

@@ -42,9 +42,11 @@ from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
+    DEFAULT_MAX_ROUND_WEIGHT,
     FINGERPRINT_PATTERN,
     GroupPlan,
     MemberInfo,
+    balancing_bandwidths,
     encode_gather,
     plan_group,
 )
@@ -428,7 +430,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             group_info.gathered,
             self.peer_id,
             min_group_size=self.cfg.min_group_size,
-            max_weight=self.cfg.max_round_weight,
+            max_weight=self.cfg.max_round_weight or DEFAULT_MAX_ROUND_WEIGHT,
             weight_ratio=self.cfg.weight_outlier_ratio,
             allowed=self._allowed,
         )
@@ -449,7 +451,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             for bw, mode in zip(plan.bandwidths, plan.modes, strict=True)
         ]
         fractions = await asyncio.get_running_loop().run_in_executor(
-            None, load_balance_peers, size, bandwidths, min_vector_size
+            None, load_balance_peers, size, balancing_bandwidths(bandwidths, private=self._allowed is not None), min_vector_size
         )
         fresh_scale, stale_scale = plan.local_scales(self.peer_id)
         async with enter_asynchronously(self.get_tensors()) as buffers:

@@ -56,3 +56,10 @@ def layout_fingerprint(tensors: Sequence[torch.Tensor], extra: str = "") -> str:
     for tensor in tensors:
         _update_header(digest, tensor)
     return digest.hexdigest()[:16]
+
+
+def state_sha256(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> str:
+    """The digest peers publish and donors serve: ``params_sha256`` over the parameters followed by the outer
+    momentum (zeros when the outer optimizer keeps none), so a donor cannot pair honest parameters with a
+    hostile momentum. Synchronised peers hold both bitwise equal: the same outer step on the same inputs."""
+    return params_sha256([*params, *momentum])

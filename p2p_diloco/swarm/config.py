@@ -64,16 +64,17 @@ def _check_addresses(
             raise ValueError(f"{name}[{i}]: {text!r} must name an explicit port (port 0 cannot be announced)")
 
 
-def read_allowed_peers(path: str) -> frozenset[str]:
-    """The base58 peer ids listed in ``path`` (one per line, blank lines and '#' comments ignored)."""
+def read_allowed_peers(path: str, what: str = "allowed_peers") -> frozenset[str]:
+    """The base58 peer ids listed in ``path`` (one per line, blank lines and '#' comments ignored); errors
+    name the setting ``what`` the file was given for."""
     if not isinstance(path, str) or not path:
-        raise ValueError(f"allowed_peers must be a file path, got {path!r}")
+        raise ValueError(f"{what} must be a file path, got {path!r}")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
         raise ValueError(
-            f"allowed_peers: cannot read {path} ({reason}); give a file with one peer id per line"
+            f"{what}: cannot read {path} ({reason}); give a file with one peer id per line"
         ) from None
     ids = set()
     for number, line in enumerate(text.splitlines(), 1):
@@ -84,10 +85,11 @@ def read_allowed_peers(path: str) -> frozenset[str]:
             ids.add(PeerID.from_base58(entry).to_base58())
         except Exception:
             raise ValueError(
-                f"allowed_peers: {path} line {number}: {entry[:60]!r} is not a peer id (expected e.g. 12D3KooW...)"
+                f"{what}: {path} line {number}: {entry[:60]!r} is not a peer id (expected e.g. 12D3KooW...)"
             ) from None
     if not ids:
-        raise ValueError(f"allowed_peers: {path} lists no peer id; add one per line or drop --allowed-peers")
+        flag = "--" + what.replace("_", "-")
+        raise ValueError(f"{what}: {path} lists no peer id; add one per line or drop {flag}")
     return frozenset(ids)
 
 
@@ -204,8 +206,10 @@ class SwarmConfig:
     is good for home links; smaller parts detect faults sooner but cost more per-message overhead."""
 
     bandwidth_mbps: float | None = None
-    """This peer's upload bandwidth in Mbit/s, used to give faster peers a larger share of the reduction.
-    ``None`` assumes the group's average; 0 makes this peer aggregate nothing."""
+    """This peer's upload bandwidth in Mbit/s, used to give faster peers a larger share of the reduction in a
+    private swarm (``allowed_peers``); among strangers a bandwidth is an unverifiable claim, and every full
+    member reduces an equal share (``group.balancing_bandwidths``). ``None`` assumes the group's average; 0
+    makes this peer aggregate nothing."""
 
     state_download_timeout_s: float = 600.0
     """Deadline for downloading the model and outer-optimizer state from one donor, 1-86400 s. About 2x
@@ -252,14 +256,27 @@ class SwarmConfig:
     its state: a private swarm. Enforced on the averaging and state RPCs, not only the DHT. Every member
     should list every other member (and itself); ``None`` admits anyone."""
 
-    max_round_weight: float = 1e8
+    trusted_peers: str | None = None
+    """File of peer ids (base58, one per line, '#' comments) whose epochs, checksums and states this peer
+    trusts without having averaged with them: a run's organisers. Without it a peer trusts the peers it
+    completed a round with and the donor it loaded state from (``core.evidence``); a brand-new joiner then
+    trusts nobody yet and follows the swarm's largest epoch, which a Sybil can claim. Give it in an open
+    swarm whose organisers keep a few peers online. ``None``: trust is built from rounds only."""
+
+    max_round_weight: float | None = None
     """Largest weight (samples) a member may claim for one round; members claiming more are refused and banned
-    for the run. Set it above the most samples the fastest peer can process in one round, e.g. 10x
-    (batch size x local steps). Every peer of a run must use the same value."""
+    for the run, and this peer never claims more itself (work carried over skipped rounds beyond it counts
+    as this much). Default: what the run's configuration makes possible, ``ROUNDS_OF_WORK`` (4) rounds of
+    ``batch_size x local_steps`` samples, so one member weighs at most 4x a full honest round, instead of the
+    1000x its group's median that ``weight_outlier_ratio`` allows (with ``mean`` that was 99.9% of a group
+    of 3). Every peer of a run must use the same value: the same ``--batch-size`` and ``--local-steps``, or
+    this flag set explicitly. A bare swarm (no training config) uses 1e8."""
 
     weight_outlier_ratio: float = 1000.0
-    """A member claiming more than this many times the group's median weight is refused and banned, 1-1e12.
-    DyLU gives slow peers fewer steps, so honest weights differ by a few x; keep it well above that."""
+    """A member claiming more than this many times the group's lower-median weight is left out of the round,
+    1-1e12 (not banned: the median is made of other members' claims, which Sybils with tiny claims control;
+    ``max_round_weight`` is the cap that bans). DyLU gives slow peers fewer steps, so honest weights differ
+    by a few x; keep it well above that."""
 
     norm_outlier_factor: float = 20.0
     """A reducer rejects (and bans) a sender whose part of the pseudo-gradient is longer than this many times
@@ -333,7 +350,10 @@ class SwarmConfig:
             )
         if self.allowed_peers is not None:
             read_allowed_peers(self.allowed_peers)
-        _check_range("max_round_weight", self.max_round_weight, 1, 1e12)
+        if self.trusted_peers is not None:
+            read_allowed_peers(self.trusted_peers, "trusted_peers")
+        if self.max_round_weight is not None:
+            _check_range("max_round_weight", self.max_round_weight, 1, 1e12)
         _check_range("weight_outlier_ratio", self.weight_outlier_ratio, 1, 1e12)
         _check_range("norm_outlier_factor", self.norm_outlier_factor, 0, 1e12)
         if 0 < self.norm_outlier_factor < 2:

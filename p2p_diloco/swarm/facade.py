@@ -17,14 +17,13 @@ from hivemind.compression import CompressionBase
 
 from p2p_diloco.core.rounds import RoundResult
 from p2p_diloco.swarm.averager import RoundAverager
-from p2p_diloco.swarm.checksum import params_sha256
 from p2p_diloco.swarm.config import SwarmConfig
-from p2p_diloco.swarm.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import (
     PeerProgress,
+    fetch_checksums,
     fetch_progress,
-    majority_checksum,
     publish_checksum,
     publish_progress,
     run_validator,
@@ -71,6 +70,20 @@ class Swarm:
         if self.dht is not None:
             self.dht.shutdown()
 
+    def check_alive(self) -> None:
+        """Raise ``SwarmStartError`` (with what to do) when the averager process died.
+
+        Without it the peer would go on skipping every round (``RoundAverager.average`` answers "not
+        running") and train alone without saying so. A peer whose averager died stops instead; its last
+        checkpoint resumes it.
+        """
+        averager = self.averager
+        if averager is not None and not averager.is_alive():
+            raise SwarmStartError(
+                f"the averager process stopped (exit code {averager.exitcode}); this peer can no longer average. "
+                "Restart it (with --checkpoint-dir it resumes from its last checkpoint) and check the log above "
+                "for why it stopped (out of memory, killed)")
+
     @property
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58() if self.dht is not None else ""
@@ -110,10 +123,14 @@ class Swarm:
         except Exception as e:  # noqa: BLE001 - a missed progress update must not stop training
             logger.warning("Could not publish progress: %s", e)
 
-    def in_minority(self, epoch: int, anchors: Sequence[torch.Tensor]) -> bool:
-        """A strict majority published a checksum for ``epoch`` other than that of ``anchors``."""
-        sha, count, total = majority_checksum(self.dht, self.cfg.run_id, epoch)
-        return sha is not None and 2 * count > total and sha != params_sha256(anchors)
+    def checksum_votes(self, epoch: int) -> dict[str, str]:
+        """The valid checksums published for ``epoch`` by peers not banned: peer id -> digest (empty when the
+        DHT does not answer). Who of them to believe is ``core.evidence``'s decision."""
+        try:
+            return fetch_checksums(self.dht, self.cfg.run_id, epoch)
+        except Exception as e:  # noqa: BLE001 - a vote nobody could read changes nothing
+            logger.warning("Could not read the checksums of epoch %d: %r", epoch, e)
+            return {}
 
     # ------------------------------------------------------------------ state
 
@@ -128,11 +145,12 @@ class Swarm:
         except ValueError as e:
             logger.warning("Could not publish the checksum of epoch %d: %s", epoch, e)
 
-    def download(self, templates: Sequence[torch.Tensor], min_epoch: int,
-                 timeout: float | None = None) -> SwarmState | None:
-        """The swarm's verified state of ``min_epoch`` or newer (parameters and momentum), or None."""
+    def download(self, templates: Sequence[torch.Tensor], min_epoch: int, timeout: float | None = None,
+                 trusted: frozenset[str] | None = None) -> SwarmState | None:
+        """The swarm's verified state of ``min_epoch`` or newer (parameters and momentum), or None;
+        ``trusted`` as in ``state.download_state``."""
         return download_state(self.averager, templates, [torch.zeros_like(t) for t in templates],
-                              min_epoch=min_epoch, timeout=timeout)
+                              min_epoch=min_epoch, timeout=timeout, trusted=trusted)
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:

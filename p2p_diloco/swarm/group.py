@@ -34,6 +34,8 @@ from p2p_diloco.swarm.config import RUN_ID_PATTERN
 
 GATHER_VERSION = 2
 MAX_WEIGHT = 1e12
+DEFAULT_MAX_ROUND_WEIGHT = 1e8
+"""``SwarmConfig.max_round_weight`` of a bare swarm (a peer derives it from its training configuration)."""
 MAX_NORM = 1e30
 MAX_STALENESS = 10**6
 _MAX_GATHER_BYTES = 4096
@@ -243,6 +245,20 @@ def decode_gather(raw: Any) -> tuple[float | None, AveragingMode, MemberInfo]:
     )
 
 
+def balancing_bandwidths(bandwidths: Sequence[float | None], *, private: bool) -> list[float | None]:
+    """The bandwidths hivemind's load balancing gets: the announced ones in a private swarm, else none.
+
+    Load balancing gives each member a share of the vector to reduce by its bandwidth, and a bandwidth is
+    only a claim. hivemind's linear program is extreme: ``load_balance_peers(n, [20, 10, 10])`` already hands
+    the first member the whole vector, so it reduces every part of every member (and a reducer's output is
+    bounded, not checked exactly). Among strangers every full member therefore reduces an equal share
+    (``None``: hivemind spreads evenly; clients keep 0). Among ``allowed_peers`` claims are trusted and used.
+    """
+    if private:
+        return list(bandwidths)
+    return [0.0 if b == 0.0 else None for b in bandwidths]
+
+
 def implausible_weights(
     infos: Sequence[MemberInfo], max_weight: float, ratio: float
 ) -> dict[int, str]:
@@ -283,8 +299,8 @@ def plan_group(
     compatible member compares against the same values, they all compute the same subset, and the all-reduce
     proceeds over it; a refused member, comparing against its own values, ends up in a different subset.
     Members outside ``allowed`` and members claiming implausible weights (``implausible_weights``) are
-    refused too and listed in ``rejected``; every member must use the same ``max_weight``, ``weight_ratio``
-    and ``allowed`` for the plans to agree.
+    refused too; those outside ``allowed`` or over ``max_weight`` are listed in ``rejected`` (to be banned).
+    Every member must use the same ``max_weight``, ``weight_ratio`` and ``allowed`` for the plans to agree.
     """
     if len(peer_ids) != len(gathered) or me not in peer_ids:
         raise ValueError("group description is inconsistent")
@@ -328,7 +344,12 @@ def plan_group(
     implausible = implausible_weights([info for _, _, info in keep], max_weight, weight_ratio)
     for index in sorted(implausible):
         refused.append((keep_ids[index].to_base58(), implausible[index]))
-        rejected.append(refused[-1])
+        info = keep[index][2]
+        if max(info.weight, info.stale_weight) > max_weight:
+            # Banned only over the run-wide cap, which no honest peer exceeds (it caps its own claims). The
+            # median rule compares with the group's other claims, which Sybils control (a few claiming tiny
+            # weights would get an honest peer banned for the run): it only leaves the claim out of this round.
+            rejected.append(refused[-1])
     keep_ids = [p for i, p in enumerate(keep_ids) if i not in implausible]
     keep = [e for i, e in enumerate(keep) if i not in implausible]
 

@@ -33,6 +33,7 @@ from hivemind.dht.schema import SchemaValidator, conbytes
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, ValidationError, confloat, conint, constr
 
+from p2p_diloco.core.evidence import EPOCH_LIMIT
 from p2p_diloco.swarm.signing import (
     SIGNED_SUBKEY_REGEX,
     RecordAudit,
@@ -48,12 +49,17 @@ logger = logging.getLogger(__name__)
 
 FINGERPRINT_REGEX = r"^[0-9a-f]{8,64}$"
 SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
-_MAX_EPOCH = 10**9
+_MAX_EPOCH = EPOCH_LIMIT
+"""Records claiming more are malformed (and their signer banned): see ``core.evidence.EPOCH_LIMIT``."""
 _MAX_RATE = 1e12
 _MAX_SUBKEYS = 1024
 """Subkeys read per key: far above any expected swarm; beyond it signed-looking subkeys are kept first and the
 rest is dropped (as ``oversized``) without being parsed."""
 _DHT_TIMEOUT_S = 30.0
+MAX_RECORD_TTL_S = 86400.0 + 3600.0
+"""No peer stores a record for longer than a day (``progress_ttl_s`` and ``checksum_ttl_s`` are capped at
+86400 s), plus an hour of clock skew; an entry expiring later is junk meant to outlive its writer (a
+far-future record would pin a claim, or fill the key, for ever) and is dropped as malformed."""
 
 
 class ProgressRecord(BaseModel):
@@ -167,6 +173,9 @@ def _parse_entry(subkey: Any, entry: Any, now: float) -> tuple[str, Any] | Rejec
         return Rejection("malformed", owner, f"entry of type {type(entry).__name__}")
     if not isinstance(entry.expiration_time, (int, float)) or not entry.expiration_time > now:
         return None
+    if entry.expiration_time > now + MAX_RECORD_TTL_S:
+        return Rejection("malformed", owner, f"expires in {entry.expiration_time - now:.3g} s, over the "
+                                             f"{MAX_RECORD_TTL_S:.0f} s any peer sets")
     return owner, entry.value
 
 
@@ -262,11 +271,9 @@ def global_epoch(
 ) -> int | None:
     """The swarm's current epoch: the largest epoch reached by at least ``min_peers`` fresh non-client peers.
 
-    With ``min_peers=1`` this is the maximum, as in hivemind's ``ProgressTracker``: epochs only grow, and a
-    peer at epoch ``e`` proves that round ``e - 1`` completed, so any peer below it is behind and should
-    catch up (download state) instead of holding the swarm back; a minimum or median would let one stalled
-    peer drag everybody's view backwards. The price is that a single peer lying about its epoch can push the
-    view forward; raise ``min_peers`` (e.g. 2) to require corroboration. Client-mode peers are ignored
+    A head count, for observers (the swarm exporter, tests). Peers do NOT act on it: one signed record
+    from a free identity would move it, so the round policy believes epochs through
+    ``core.evidence.Evidence`` (trusted peers only, once it has any). Client-mode peers are ignored
     because they cannot serve the state of the epoch they claim. ``fingerprint`` keeps only peers training
     the same model. Returns ``None`` when no record qualifies.
     """

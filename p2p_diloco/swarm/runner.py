@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,6 +36,33 @@ from p2p_diloco.swarm.reducer import RobustPartReducer
 from p2p_diloco.swarm.verify import AverageCheck, part_regions
 
 logger = logging.getLogger(__name__)
+
+MAX_WIRE_BYTES_PER_VALUE = 8
+"""A received part may carry at most this many bytes per value it declares (plus ``_WIRE_SLACK_BYTES``):
+every codec of the project sends 4 or fewer (float32 plain, with a header and per-block scales for the
+quantised ones), so this only refuses padding and lies about the shape."""
+_WIRE_SLACK_BYTES = 4096
+
+
+def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compression_type: int | None) -> str | None:
+    """Why a serialized part must not be decoded, judged on its protobuf fields alone, or ``None``.
+
+    The sender picks the compression and the shape a part claims; decoding first would let it make this peer
+    allocate and compute what it chose (a float16 or 8-bit claim decodes to 2-4x its bytes, a shape to any
+    size). So the part must name the group's compression (``compression_type``, ``None``: any, for
+    hivemind's adaptive compressions), exactly the expected ``shape``, and a buffer no longer than
+    ``MAX_WIRE_BYTES_PER_VALUE`` bytes per value.
+    """
+    if compression_type is not None and part.compression != compression_type:
+        return f"part compressed as type {part.compression}, the group uses type {compression_type}"
+    declared = tuple(part.size)
+    if declared != tuple(shape):
+        return f"part declares shape {declared[:8]}, expected {tuple(shape)}"
+    limit = math.prod(shape) * MAX_WIRE_BYTES_PER_VALUE + _WIRE_SLACK_BYTES
+    if len(part.buffer) > limit:
+        return f"part of {len(part.buffer)} bytes for {math.prod(shape)} values (at most {limit})"
+    return None
+
 
 FaultHook = Callable[[str], "bool | float | None"]
 """Called inside the averager process at named stages: "allreduce_begin", "corrupt_input" (returning a number
@@ -82,6 +110,9 @@ class _Replies:
 
     expected: int
     received: int = 0
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """The shapes of that reducer's parts, in order (empty: not checked)."""
+    compression_type: int | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once all ``expected`` parts arrived or the reply stream ended (see RECEIVED_ALL)."""
 
@@ -94,6 +125,13 @@ async def _count_received(
         async for message in stream:
             counter.received += message.ByteSize()
             if replies is not None and message.code == averaging_pb2.AVERAGED_PART:
+                if replies.received < len(replies.shapes):
+                    problem = wire_part_problem(message.tensor_part, replies.shapes[replies.received],
+                                                replies.compression_type)
+                    if problem is not None:
+                        raise ValueError(f"reducer's averaged part {replies.received}: {problem}")
+                elif replies.shapes:
+                    raise ValueError(f"reducer sent more than the {len(replies.shapes)} expected parts")
                 replies.received += 1
                 if replies.received >= replies.expected:
                     replies.done.set()
@@ -117,6 +155,13 @@ async def accumulate(
     task = asyncio.ensure_future(reducer.accumulate_part(sender_index, part_index, part, weight=weight))
     task.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody may be left to ask
     return await asyncio.shield(task)
+
+
+async def _numbered(stream: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+    index = 0
+    async for item in stream:
+        yield index, item
+        index += 1
 
 
 async def _until_received_all(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -189,6 +234,11 @@ class CountingAllReduceRunner(AllReduceRunner):
         self._my_part_infos = tuple(
             info for _, info in self.tensor_part_container._input_parts_by_peer[my_index]
         )
+        # What each reducer's parts must look like on the wire, fixed before any arrives (wire_part_problem).
+        self._part_shapes = tuple(
+            tuple(tuple(part.shape) for part, _ in parts) for parts in self.tensor_part_container._input_parts_by_peer
+        )
+        self._compression_type = getattr(self.tensor_part_container.compression, "compression_type", None)
         self._averaged_parts: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
         self._replies: dict[int, _Replies] = {}  # per reducer index
         self._reducer_failures: dict[PeerID, str] = {}
@@ -244,11 +294,20 @@ class CountingAllReduceRunner(AllReduceRunner):
         # hivemind's version, replying with the shared serialized average instead of a per-sender delta
         part_index = 0
         try:
-            async for tensor_part, weight in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
-                _until_received_all(stream),
+            async for tensor_part, weight, problem in amap_in_executor(
+                self._decode_input,
+                _numbered(_until_received_all(stream)),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if problem is not None:
+                    # Not decoded. Still counted, as every rejected part is (the reducer's contract), so the
+                    # group's other senders are not held up; the averager bans the sender for the run.
+                    logger.warning("Refused part %d of %s before decoding: %s", part_index,
+                                   self.sender_peer_ids[sender_index], problem)
+                    rejections = getattr(self.tensor_part_reducer, "rejections", None)
+                    if rejections is None:
+                        break  # hivemind's trusting reducer: drop the sender instead
+                    rejections.setdefault(sender_index, problem)
                 try:
                     averaged_part = await accumulate(
                         self.tensor_part_reducer, sender_index, part_index, tensor_part, weight
@@ -266,10 +325,23 @@ class CountingAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
+    def _decode_input(self, numbered: tuple[int, Any]) -> tuple[torch.Tensor, float, str | None]:
+        """A sender's part ``(index, message)``, checked on the wire (``wire_part_problem``), then decoded; a
+        refused part becomes an empty tensor and the reason (runs in an executor thread)."""
+        index, message = numbered
+        parts = self.parts_for_local_averaging
+        if index >= len(parts):
+            return torch.empty(0), 0.0, f"part {index} past the {len(parts)} this peer reduces"
+        problem = wire_part_problem(message.tensor_part, tuple(parts[index].shape), self._compression_type)
+        if problem is not None:
+            return torch.empty(0), float(message.weight), problem
+        return deserialize_torch_tensor(message.tensor_part), float(message.weight), None
+
     def _replies_from(self, reducer_index: int) -> _Replies:
         replies = self._replies.get(reducer_index)
         if replies is None:
-            replies = _Replies(self.tensor_part_container.num_parts_by_peer[reducer_index])
+            replies = _Replies(self.tensor_part_container.num_parts_by_peer[reducer_index],
+                               shapes=self._part_shapes[reducer_index], compression_type=self._compression_type)
             self._replies[reducer_index] = replies
         return replies
 

@@ -7,9 +7,14 @@ the averager's own stub, and accepts a state only after checking it:
 
 - metadata: run id and model fingerprint equal ours, counts of parameter and optimizer tensors as expected;
 - tensors: count, shapes and dtypes equal the local template, every value finite, byte size bounded;
-- epoch: not older than the swarm's (``records.global_epoch`` unless ``min_epoch`` is given);
-- parameters: their sha256 equals the one the donor claims and, when a strict majority of peers published a
-  checksum for that epoch, equals that majority.
+- epoch: not older than the swarm's (``records.global_epoch`` unless ``min_epoch`` is given), and not past
+  ``core.evidence.EPOCH_LIMIT``;
+- parameters and momentum: their digest (``checksum.state_sha256``) equals the one the donor claims, and the
+  published checksums of that epoch allow it (``core.evidence.state_verdict``): with ``trusted`` peers, a
+  state from any other donor must carry a digest trusted peers published; without, no strict majority of
+  all voters may contradict it.
+
+Donors this peer trusts are asked first; the rest in the order of their self-declared priority.
 
 A rejected donor is logged with the reason and the next one is tried. ``None`` means nobody served an
 acceptable state: start fresh if this is the first peer, otherwise wait and retry.
@@ -36,15 +41,17 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco.swarm.checksum import params_sha256
-from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_progress, global_epoch, majority_checksum
+from p2p_diloco.core.evidence import EPOCH_LIMIT, state_verdict
+from p2p_diloco.swarm.checksum import state_sha256
+from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_checksums, fetch_progress, global_epoch
 
 if TYPE_CHECKING:
     from p2p_diloco.swarm.averager import RoundAverager
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: ``sha`` covers the outer momentum too (``checksum.state_sha256``)."""
 _MAX_METADATA_BYTES = 65536
 _GRACE_S = 10.0
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -57,7 +64,8 @@ class SwarmState:
     params: list[torch.Tensor]
     opt_tensors: list[torch.Tensor]
     epoch: int
-    params_sha256: str
+    state_sha256: str
+    """``checksum.state_sha256`` of the parameters and momentum."""
     donor: str
     """Peer id the state came from."""
     rejected: tuple[str, ...] = ()
@@ -202,17 +210,17 @@ class StateServer:
         (its background thread answers the averager process), so a plain counter under the lock is exact."""
 
     def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int) -> str:
-        """Snapshot the state of ``epoch`` and serve it; returns the parameters' sha256.
+        """Snapshot the state of ``epoch`` and serve it; returns its digest (``checksum.state_sha256``).
 
         A client-mode peer serves nothing: it accepts no incoming connections, so no joiner could download
         from it, and hivemind refuses to announce its state. It keeps no snapshot either (a copy of the
         model for nothing) and only gets the checksum back; it downloads state like any other peer.
         """
         if self._averager.client_mode:
-            return params_sha256(params)
+            return state_sha256(params, opt_tensors)
         params_cpu = [t.detach().to("cpu", copy=True) for t in params]
         opt_cpu = [t.detach().to("cpu", copy=True) for t in opt_tensors]
-        sha = params_sha256(params_cpu)
+        sha = state_sha256(params_cpu, opt_cpu)
         cfg = self._averager.cfg
         metadata = make_state_metadata(
             cfg.run_id, self._averager.fingerprint, int(epoch), sha, len(params_cpu), len(opt_cpu)
@@ -251,6 +259,8 @@ def check_state_metadata(raw: bytes | None, run_id: str, fingerprint: str, n_par
         return f"state of run {str(meta['run'])[:64]!r} / model {str(meta['fp'])[:64]!r}, not ours"
     if isinstance(meta["ep"], bool) or not isinstance(meta["ep"], int) or not 0 <= meta["ep"] <= 10**9:
         return "invalid epoch"
+    if meta["ep"] > EPOCH_LIMIT:
+        return f"implausible epoch {meta['ep']} (over {EPOCH_LIMIT})"
     if not isinstance(meta["sha"], str) or not SHA256_PATTERN.fullmatch(meta["sha"]):
         return "invalid parameter checksum"
     if meta["np"] != n_params or meta["no"] != n_opt:
@@ -277,14 +287,20 @@ def download_state(
     min_epoch: int | None = None,
     timeout: float | None = None,
     max_donors: int = 8,
+    trusted: frozenset[str] | None = None,
 ) -> SwarmState | None:
     """Download and verify the swarm's state, trying up to ``max_donors`` donors within ``timeout`` seconds
-    (default ``cfg.state_download_timeout_s``). ``min_epoch`` defaults to the swarm's global epoch."""
+    (default ``cfg.state_download_timeout_s``). ``min_epoch`` defaults to the swarm's global epoch.
+    ``trusted``: the peers whose donors and checksums this peer trusts (``core.evidence``), or ``None`` when
+    none of them is online (a newcomer)."""
     cfg = averager.cfg
     deadline = time.monotonic() + (timeout if timeout is not None else cfg.state_download_timeout_s)
     templates = list(template_params) + list(template_opt)
     try:
-        donors = averager.state_donors()[:max_donors]
+        donors = averager.state_donors()
+        if trusted:
+            donors.sort(key=lambda donor: donor[0] not in trusted)  # stable: by priority within each kind
+        donors = donors[:max_donors]
         if min_epoch is None:
             progress = fetch_progress(averager.dht, cfg.run_id)
             min_epoch = global_epoch(progress, fingerprint=averager.fingerprint) or 0
@@ -294,7 +310,7 @@ def download_state(
     expected_bytes = sum(t.numel() * t.element_size() for t in templates)
     max_bytes = int(expected_bytes * 1.05) + 2**20 + len(templates) * 1024  # protobuf fields and part headers
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in templates})
-    majorities: dict[int, tuple[str | None, int, int]] = {}
+    votes: dict[int, dict[str, str]] = {}
     rejected: list[str] = []
     for peer, _priority in donors:
         remaining = deadline - time.monotonic()
@@ -319,15 +335,15 @@ def download_state(
             problem = f"state of epoch {meta['ep']} is older than the swarm's epoch {min_epoch}"
         if problem is None:
             params = tensors[: len(template_params)]
-            sha = params_sha256(params)
+            sha = state_sha256(params, tensors[len(template_params) :])
             if sha != meta["sha"]:
-                problem = f"parameters hash to {sha[:12]}..., the donor claims {meta['sha'][:12]}..."
+                problem = f"parameters and momentum hash to {sha[:12]}..., the donor claims {meta['sha'][:12]}..."
             else:
-                if meta["ep"] not in majorities:
-                    majorities[meta["ep"]] = majority_checksum(averager.dht, cfg.run_id, meta["ep"])
-                major, count, total = majorities[meta["ep"]]
-                if major is not None and 2 * count > total and sha != major:
-                    problem = f"parameters {sha[:12]}... differ from the checksum {count}/{total} peers published for epoch {meta['ep']}"
+                if meta["ep"] not in votes:
+                    votes[meta["ep"]] = fetch_checksums(averager.dht, cfg.run_id, meta["ep"])
+                verdict = state_verdict(peer, sha, votes[meta["ep"]], trusted)
+                if verdict is not None:
+                    problem = f"parameters {sha[:12]}... {verdict} for epoch {meta['ep']}"
         if problem is not None:
             logger.warning("Rejected state from %s: %s", peer, problem)
             rejected.append(f"{peer}: {problem}")
@@ -337,7 +353,7 @@ def download_state(
             params=params,
             opt_tensors=tensors[len(template_params) :],
             epoch=meta["ep"],
-            params_sha256=sha,
+            state_sha256=sha,
             donor=peer,
             rejected=tuple(rejected),
         )

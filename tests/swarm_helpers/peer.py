@@ -27,7 +27,7 @@ from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQ
 
 from p2p_diloco.peer.faults import FaultPlan, parse_faults
 from p2p_diloco.swarm.averager import RoundAverager
-from p2p_diloco.swarm.checksum import params_sha256
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.quorum import due_peers
@@ -147,21 +147,21 @@ def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
     opt = pattern(spec["shapes"], state["value"] + 100.0)
     epoch = state["epoch"]
     if state.get("publish_checksum"):
-        publish_checksum(averager.dht, averager.cfg.run_id, epoch, params_sha256(params))
+        publish_checksum(averager.dht, averager.cfg.run_id, epoch, state_sha256(params, opt))
     kind = state["kind"]
     if kind == "good":
         StateServer(averager).publish(params, opt, epoch)
     else:
-        sha = params_sha256(params)
+        sha = state_sha256(params, opt)
         if kind == "nan":
             params[0][0] = float("nan")
-            sha = params_sha256(params)
+            sha = state_sha256(params, opt)
         elif kind == "shape":
             params[0] = params[0].reshape(-1)[:-1].clone()
-            sha = params_sha256(params)
+            sha = state_sha256(params, opt)
         elif kind == "tampered":  # self-consistent, but not what the swarm's majority published
             params[0] = params[0] + 1.0
-            sha = params_sha256(params)
+            sha = state_sha256(params, opt)
         meta = make_state_metadata(
             averager.cfg.run_id, averager.fingerprint, epoch, sha, len(params), len(opt)
         )
@@ -224,7 +224,7 @@ def main() -> None:
             else dict(
                 donor=state.donor,
                 epoch=state.epoch,
-                sha=state.params_sha256,
+                sha=state.state_sha256,
                 rejected=list(state.rejected),
                 params=tensors_json(state.params),
                 opt=tensors_json(state.opt_tensors),

@@ -247,3 +247,14 @@ def test_allowed_peers_file_reads_or_names_the_line(tmp_path_factory: pytest.Tem
         assert str(e).startswith("allowed_peers:")
         return
     assert ids and all(PeerID.from_base58(i).to_base58() == i for i in ids)
+
+
+def test_records_expiring_past_a_day_are_junk_and_attributed() -> None:
+    from p2p_diloco.swarm.records import MAX_RECORD_TTL_S
+
+    good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
+                fingerprint=FINGERPRINT, time=1.0, client_mode=False)
+    assert isinstance(_parse_progress(SIGNED, ValueWithExpiration(good, 86400.0), now=0.0), PeerProgress)
+    for parse, value in ((_parse_progress, good), (_parse_checksum, "a" * 64)):
+        far = parse(SIGNED, ValueWithExpiration(value, MAX_RECORD_TTL_S + 1.0), now=0.0)
+        assert isinstance(far, Rejection) and far.kind == "malformed" and far.owner == KEY_PEER.to_base58()

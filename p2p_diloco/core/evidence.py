@@ -1,0 +1,189 @@
+"""Which epoch claims, checksums and donor states a peer believes: trust from what it saw, not head counts.
+
+Identities are free in an open swarm: a fresh key is a new peer id, so one machine can sign a thousand
+progress records and a thousand checksum votes. Counting records ("the largest epoch anybody claims", "the
+checksum most peers published") hands the swarm to whoever makes the most ids. This module decides instead
+from evidence this peer can check itself, network-free (the swarm and the simulator feed it peer ids,
+epochs and digests):
+
+- **Trusted peers** are the peers listed in ``--trusted-peers`` (a run's organisers) and the peers this peer
+  *vouched for* itself: members of a group whose all-reduce it completed (they sent parts that passed every
+  check at receipt and confirmed the same result), and the donor whose verified state it loaded (its lineage
+  is now this peer's own). A record costs nothing; a vouch costs taking part in a real round with this peer.
+- **Anchored**: at least one trusted peer (other than this one) has a live progress record. An anchored
+  peer believes only trusted peers' epochs: a Sybil's epoch +10^6 changes nothing for it. A peer that is not
+  anchored (a newcomer, or one whose every trusted peer left) follows the largest epoch claimed, as before.
+  That is what lets an honest peer that stepped alone before the others arrived bring them to its state,
+  and keeps the swarm from splitting at start-up: newcomers adopt its state and vouch for it on download.
+- **Unbacked claims**: when a peer acts on untrusted claims (it is not anchored) and no donor serves an
+  acceptable state of that epoch, every untrusted peer claiming that epoch or more is ignored for a while:
+  ``UNBACKED_FIRST_S``, doubling with each further failure up to ``UNBACKED_MAX_S``. A claim with nothing
+  behind it costs one failed download per window, then stops stalling the peer; an honest donor that was
+  only slow is believed again a minute later.
+- **Checksum votes** count only trusted voters (:func:`outvoted`): a peer resyncs because peers it averaged
+  with hold other parameters, never because k fresh ids say so.
+- **Donor states** (:func:`state_verdict`): from a trusted donor, accepted unless trusted voters published
+  another digest for that epoch; from anyone else, only when trusted voters published its digest. A peer
+  that trusts nobody visible accepts a verified state that no strict majority of all voters contradicts
+  (nothing better exists for a brand-new joiner without ``--trusted-peers``).
+- **Epochs are bounded** by :data:`EPOCH_LIMIT`: claims and states beyond it are implausible and ignored,
+  far below the wire formats' 10^9, so no accepted epoch can overflow them.
+
+What this does not stop is written in ``docs/threat_model.md``: an attacker that takes part in rounds becomes
+vouched, and a brand-new joiner without ``--trusted-peers`` has nothing to check a state against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+EPOCH_LIMIT = 10**8
+"""The largest epoch a record, a donor state or a checkpoint may carry. 10^8 rounds is three centuries at
+one round a minute, and it leaves 9 x 10^8 rounds of headroom below the 10^9 of the wire formats."""
+
+UNBACKED_FIRST_S = 60.0
+"""How long an untrusted claim with no acceptable state behind it is ignored after its first failed
+download; each further failure doubles it, up to :data:`UNBACKED_MAX_S` (see :meth:`Evidence.unbacked`).
+Short at first because an honest donor may just have been slow or busy."""
+
+UNBACKED_MAX_S = 900.0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One live progress record's claim: ``peer_id`` is at ``epoch`` (client-mode peers excluded)."""
+
+    peer_id: str
+    epoch: int
+
+
+def plausible_epoch(epoch: object) -> bool:
+    """An integer epoch within ``[0, EPOCH_LIMIT]``."""
+    return isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch <= EPOCH_LIMIT
+
+
+def strict_majority(votes: Mapping[str, str]) -> str | None:
+    """The digest more than half of ``votes`` (voter -> digest) agree on, or ``None``."""
+    if not votes:
+        return None
+    digest, count = min(Counter(votes.values()).items(), key=lambda item: (-item[1], item[0]))
+    return digest if 2 * count > len(votes) else None
+
+
+def outvoted(trusted_votes: Mapping[str, str], mine: str) -> bool:
+    """A strict majority of trusted voters published a digest other than ``mine`` (we drifted)."""
+    major = strict_majority(trusted_votes)
+    return major is not None and major != mine
+
+
+def state_verdict(donor: str, digest: str, votes: Mapping[str, str], trusted: frozenset[str] | None) -> str | None:
+    """Why a verified donor state (``digest``: parameters and momentum) must not be loaded, or ``None``.
+
+    ``votes`` are every valid checksum published for the state's epoch (voter -> digest); ``trusted`` the
+    peers this one trusts, or ``None`` when none of them is visible (see the module docstring).
+    """
+    if trusted is None:
+        major = strict_majority(votes)
+        if major is not None and major != digest:
+            count = sum(1 for v in votes.values() if v == major)
+            return f"differ from the checksum {count}/{len(votes)} peers published"
+        return None
+    trusted_votes = {peer: d for peer, d in votes.items() if peer in trusted}
+    major = strict_majority(trusted_votes)
+    if major is not None and major != digest:
+        count = sum(1 for v in trusted_votes.values() if v == major)
+        return f"differ from the checksum {count}/{len(trusted_votes)} trusted peers published"
+    if donor in trusted or digest == major:
+        return None
+    return "the donor is not a trusted peer and no trusted peer published this checksum"
+
+
+class Evidence:
+    """One peer's trust ledger; see the module docstring.
+
+    Args:
+        me: this peer's id (never counts as its own anchor).
+        trusted: peer ids whose claims and checksums are authoritative (``--trusted-peers``).
+        unbacked_s: how long untrusted claims with no acceptable state behind them are ignored after a first
+            failed download, and the most after repeated ones.
+        clock: monotonic seconds (the simulator passes its virtual clock).
+    """
+
+    def __init__(self, me: str = "", trusted: Iterable[str] = (), *,
+                 unbacked_s: tuple[float, float] = (UNBACKED_FIRST_S, UNBACKED_MAX_S),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.me = me
+        self.configured = frozenset(trusted)
+        self.vouched: set[str] = set()
+        self.unbacked_s, self._clock = unbacked_s, clock
+        self._unbacked: dict[str, float] = {}
+        """peer id -> until when its (untrusted) claims are ignored."""
+        self._strikes: dict[str, int] = {}
+        """peer id -> failed downloads its claims caused (doubles the next window)."""
+
+    def trusts(self, peer: str) -> bool:
+        return peer in self.configured or peer in self.vouched
+
+    @property
+    def trusted(self) -> frozenset[str]:
+        return self.configured | self.vouched
+
+    def anchored(self, visible: Iterable[str]) -> bool:
+        """Some trusted peer other than this one is among ``visible`` (live progress records)."""
+        return any(p != self.me and self.trusts(p) for p in visible)
+
+    def believed(self, claims: Sequence[Claim]) -> list[Claim]:
+        """The claims this peer acts on: plausible ones; only trusted peers' (and its own) when anchored,
+        else all but unbacked ones."""
+        now = self._clock()
+        plausible = [c for c in claims if plausible_epoch(c.epoch)]
+        if self.anchored(c.peer_id for c in plausible):
+            return [c for c in plausible if c.peer_id == self.me or self.trusts(c.peer_id)]
+        return [c for c in plausible if self._unbacked.get(c.peer_id, -1.0) <= now]
+
+    def swarm_epoch(self, claims: Sequence[Claim]) -> int | None:
+        """The largest believed epoch (:meth:`believed`), ``None`` when no claim is believed."""
+        return max((c.epoch for c in self.believed(claims)), default=None)
+
+    def trusted_or_none(self, visible: Iterable[str]) -> frozenset[str] | None:
+        """What :func:`state_verdict` takes: the trusted set when anchored, else ``None``."""
+        return self.trusted if self.anchored(visible) else None
+
+    def trusted_votes(self, votes: Mapping[str, str]) -> dict[str, str]:
+        return {peer: digest for peer, digest in votes.items() if peer != self.me and self.trusts(peer)}
+
+    # ------------------------------------------------------------------ what this peer saw
+
+    def averaged_with(self, contributors: Iterable[str]) -> None:
+        """A complete all-reduce with ``contributors``: they are vouched for from now on."""
+        for peer in contributors:
+            if peer != self.me:
+                self.vouched.add(peer)
+                self._unbacked.pop(peer, None)
+                self._strikes.pop(peer, None)
+
+    def adopted_from(self, donor: str) -> None:
+        """This peer loaded ``donor``'s verified state: its lineage is ours now."""
+        self.averaged_with([donor])
+
+    def unbacked(self, claims: Sequence[Claim], min_epoch: int) -> dict[str, float]:
+        """No acceptable state of ``min_epoch`` or newer could be downloaded: ignore the untrusted peers
+        claiming it for a while (see ``unbacked_s``). Trusted claims stay (their donors may be busy or cut
+        off: the round policy carries the work and tries again). Returns the peers now ignored, with for how
+        many seconds."""
+        now, (first, most) = self._clock(), self.unbacked_s
+        marked = {}
+        for claim in claims:
+            peer = claim.peer_id
+            if claim.epoch >= min_epoch and peer != self.me and not self.trusts(peer):
+                strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
+                marked[peer] = min(most, first * 2 ** min(strikes - 1, 30))
+                self._unbacked[peer] = now + marked[peer]
+        return marked
+
+    def forget(self, peer: str) -> None:
+        """``peer`` was banned: it is not trusted any more."""
+        self.vouched.discard(peer)

@@ -1,0 +1,101 @@
+"""Red team: ten free identities against three honest peers, every hostile record correctly signed.
+
+The attacker (``swarm_helpers/sybil.py``) is up before the honest peers and, for each of its 10 Sybil ids,
+keeps publishing a progress record claiming epoch 10**6 and a checksum vote of one digest for every epoch
+around the honest peers'. It serves no state. Before ``core.evidence`` either was enough: the epoch claim made
+every joiner wait on a state nobody served (and every running peer skip each round for want of it), and the
+10-to-3 vote made honest peers believe their own parameters had drifted.
+
+Their first records name a made-up model (until they read an honest record), which used to make the first
+honest peer refuse to start. The honest outcome shown here: the three ``run_peer`` processes start (the first
+with a warning, the others joining by its state, the Sybils' epoch costing one failed download each), then average together round after round
+with identical parameters; nobody resyncs to the inflated epoch or because of the vote, and no honest peer
+is banned.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from swarm_procs import env, events, start_bootstrap, start_peer, tail, wait_all, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SYBIL = Path(__file__).parents[1] / "swarm_helpers" / "sybil.py"
+NAMES = "abc"
+ROUNDS = 2
+SYBILS = 10
+
+
+def _together(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["outcome"] == "averaged" and r["group_size"] == len(NAMES)]
+
+
+def _report(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def test_ten_sybils_neither_move_the_epoch_nor_win_the_checksum_vote(tmp_path: Path) -> None:
+    boot, maddr = start_bootstrap(tmp_path)
+    out = tmp_path / "sybil.json"
+    attacker = subprocess.Popen(
+        [sys.executable, str(SYBIL), maddr, "rt", str(tmp_path / "sybils"), str(out), str(SYBILS)],
+        stdout=open(tmp_path / "sybil.out", "w"), stderr=subprocess.STDOUT, env=env())
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        wait_for(lambda: _report(out).get("accepted", 0) > 0 or attacker.poll() is not None, 60,
+                 "the Sybils' first records")
+        assert attacker.poll() is None, (tmp_path / "sybil.out").read_text()[-3000:]
+        args = ("--run-id", "rt", "--local-steps", "4", "--min-local-steps", "4", "--max-rounds", "40")
+        procs = {name: start_peer(tmp_path, name, maddr, *args) for name in NAMES}
+        wait_for(lambda: all(len(_together(events(tmp_path, n, "round"))) >= ROUNDS for n in NAMES)
+                 or any(p.poll() is not None for p in procs.values()), 180, f"{ROUNDS} rounds of all three")
+        for proc in procs.values():
+            proc.terminate()
+        codes = wait_all(procs, 60)
+        attacker.terminate()
+        attacker.wait(timeout=30)
+    finally:
+        for proc in [*procs.values(), attacker]:
+            if proc.poll() is None:
+                proc.kill()
+        boot.terminate()
+        boot.wait(timeout=30)
+    assert codes == dict.fromkeys(NAMES, 0), {n: tail(tmp_path, n) for n in codes}
+
+    attack = _report(out)
+    sybils = set(attack["sybils"])
+    assert len(sybils) == SYBILS and attack["accepted"] > 0, attack  # signed, well-formed: the guard let them in
+    assert max(attack["honest_epochs"]) >= ROUNDS, attack  # it voted on the epochs the honest peers reached
+    ids = {n: events(tmp_path, n, "start")[0]["peer_id"] for n in NAMES}
+    rounds = {n: events(tmp_path, n, "round") for n in NAMES}
+    for name, rows in rounds.items():
+        assert len(_together(rows)) >= ROUNDS, (name, rows)
+        for r in rows:
+            assert r["new_epoch"] < 1000, (name, r)  # never adopted, nor waited on, the inflated epoch
+            assert "checksum" not in r["reason"], (name, r)  # the 10-to-3 vote moved nobody
+            assert set(r["contributors"]) <= set(ids.values()), (name, r)
+            assert not any(b.split(": ", 1)[0] in ids.values() for b in r["rejected"] + r["record_bans"]), (name, r)
+        # Once it averaged, every round of a peer either averaged or was cleanly skipped at the others' stop.
+        first = rows.index(_together(rows)[0])
+        assert all(r["outcome"] in ("averaged", "skipped") for r in rows[first:]), (name, rows)
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    for rows in rounds.values():
+        for r in rows:
+            if r["outcome"] != "skipped":
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+    assert by_epoch and all(len(shas) == 1 for shas in by_epoch.values()), by_epoch
+    # The inflated claim was seen and set aside after one failed download, by every peer that acted on it.
+    logs = {n: (tmp_path / f"{n}.out").read_text() for n in NAMES}
+    assert any(f"ignoring the epoch claims of {SYBILS} untrusted peer(s)" in log for log in logs.values()), \
+        {n: tail(tmp_path, n) for n in NAMES}
+    # The first peer up saw only the Sybils, of another model: it warned and started instead of refusing.
+    assert any("Starting anyway, as no trusted peer is among them" in log for log in logs.values())

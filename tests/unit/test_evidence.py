@@ -1,0 +1,210 @@
+"""Trust from what a peer saw (``core.evidence``) and the port that feeds it: free identities can neither
+move an anchored peer's epoch nor win its checksum vote, and an honest peer ahead still brings newcomers along.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from p2p_diloco.core.delayed import StalenessPolicy
+from p2p_diloco.core.evidence import EPOCH_LIMIT, Claim, Evidence, outvoted, state_verdict
+from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.core.rounds import Outcome, RoundResult
+from p2p_diloco.peer.faults import NO_FAULTS
+from p2p_diloco.peer.port import SwarmPort
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256
+from p2p_diloco.swarm.group import MemberInfo
+from p2p_diloco.swarm.records import ProgressRecord
+
+SYBILS = [f"sybil{i}" for i in range(10)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_newcomer_follows_the_largest_claim_an_anchored_peer_only_trusted_ones() -> None:
+    ev = Evidence("me")
+    claims = [Claim("me", 0), Claim("alone", 10), Claim("sybil", 10**6)]
+    assert ev.swarm_epoch(claims) == 10**6  # nobody to check against: the largest claim, as before
+    ev.averaged_with(["me", "alone"])
+    assert ev.trusts("alone") and not ev.trusts("me")
+    assert ev.swarm_epoch(claims) == 10  # the Sybil's claim changes nothing now
+    # every trusted peer gone: back to the newcomer rule (no split, no stall waiting for the departed)
+    assert ev.swarm_epoch([Claim("me", 10), Claim("other", 12)]) == 12
+
+
+def test_a_lone_peer_ahead_brings_newcomers_to_its_state_and_is_trusted_for_it() -> None:
+    joiner = Evidence("joiner")
+    claims = [Claim("joiner", 0), Claim("lone", 7)]
+    assert joiner.swarm_epoch(claims) == 7
+    assert joiner.trusted_or_none(["lone"]) is None  # nothing to check the state against yet
+    joiner.adopted_from("lone")
+    assert joiner.trusted_or_none(["lone"]) == frozenset({"lone"})
+    later = [Claim("joiner", 7), Claim("lone", 8), *(Claim(s, 10**6) for s in SYBILS)]
+    assert joiner.swarm_epoch(later) == 8
+
+
+def test_claims_nobody_serves_are_ignored_for_a_while_then_believed_again() -> None:
+    clock = Clock()
+    ev = Evidence("me", unbacked_s=(60.0, 900.0), clock=clock)
+    claims = [Claim("me", 0), Claim("honest", 3), Claim("liar", 10**6), Claim("liar2", 10**6 - 1)]
+    assert ev.swarm_epoch(claims) == 10**6
+    assert ev.unbacked(claims, 10**6 - 1) == {"liar": 60.0, "liar2": 60.0}  # one failed try covers both
+    assert ev.swarm_epoch(claims) == 3
+    clock.now = 61.0  # an honest donor that was only slow is believed again soon ...
+    assert ev.swarm_epoch(claims) == 10**6
+    for window in (120.0, 240.0, 480.0, 900.0, 900.0):  # ... a claim that keeps failing, ever longer
+        assert ev.unbacked(claims, 10**6)["liar"] == window
+    clock.now += 899.0
+    assert ev.swarm_epoch(claims) == 10**6 - 1  # liar2 failed less often: its window ended first
+    ev.averaged_with(["liar"])  # a vouch clears the record
+    ev.unbacked(claims, 0)
+    assert ev.swarm_epoch(claims) == 10**6
+
+
+def test_epochs_past_the_limit_are_never_believed_nor_loaded() -> None:
+    ev = Evidence("me")
+    assert ev.swarm_epoch([Claim("me", 2), Claim("x", EPOCH_LIMIT + 1)]) == 2
+    assert ev.swarm_epoch([Claim("x", EPOCH_LIMIT)]) == EPOCH_LIMIT
+    state = OuterState([torch.zeros(2)], lr=0.7, momentum=0.9, policy=StalenessPolicy())
+    with pytest.raises(ValueError, match="epoch must be an integer within"):
+        state.load_state_tensors(state.state_tensors(), EPOCH_LIMIT + 1)
+    record = dict(epoch=EPOCH_LIMIT + 1, inner_step=0, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
+                  fingerprint="abcdef01", time=1.0, client_mode=False)
+    with pytest.raises(ValueError):
+        ProgressRecord.parse_obj(record)
+    # An epoch at the limit still leaves the wire format (10**9) all the headroom a run could use.
+    MemberInfo.for_round("run", "abcdef01", EPOCH_LIMIT + 10**6, 1.0, 0.0, 0, True, False, norm=1.0, stale_norm=0.0)
+
+
+def test_sybil_votes_do_not_count_trusted_ones_do() -> None:
+    ev = Evidence("me")
+    ev.averaged_with(["a", "b"])
+    votes = {s: "f" * 64 for s in SYBILS} | {"a": "0" * 64, "b": "0" * 64, "me": "0" * 64}
+    assert not outvoted(ev.trusted_votes(votes), "0" * 64)  # 10 Sybils against 2 groupmates
+    assert outvoted(ev.trusted_votes(votes | {"a": "1" * 64, "b": "1" * 64}), "0" * 64)
+    assert not outvoted(ev.trusted_votes({s: "f" * 64 for s in SYBILS}), "0" * 64)  # nobody trusted voted
+    assert not outvoted({"a": "1" * 64, "b": "0" * 64}, "0" * 64)  # no strict majority
+
+
+def test_a_donor_state_needs_a_trusted_digest_unless_the_donor_is_trusted() -> None:
+    good, evil = "0" * 64, "e" * 64
+    trusted = frozenset({"a", "b"})
+    sybil_votes = {s: evil for s in SYBILS}
+    # Untrusted donor: only a digest trusted peers published.
+    assert state_verdict("sybil0", evil, sybil_votes, trusted) is not None
+    assert state_verdict("sybil0", good, sybil_votes | {"a": good}, trusted) is None
+    # Trusted donor: accepted unless trusted voters published another digest.
+    assert state_verdict("a", good, sybil_votes, trusted) is None
+    assert "trusted peers published" in state_verdict("a", good, {"b": evil}, trusted)
+    # A newcomer: any verified state no strict majority contradicts (nothing better exists without anchors).
+    assert state_verdict("x", good, {}, None) is None
+    assert "2/3 peers" in state_verdict("x", good, {"p": evil, "q": evil, "r": good}, None)
+
+
+def test_the_state_digest_covers_the_momentum() -> None:
+    params, momentum = [torch.ones(3)], [torch.zeros(3)]
+    assert state_sha256(params, momentum) != state_sha256(params, [torch.full((3,), 1e30)])
+    assert state_sha256(params, momentum) != params_sha256(params)
+
+
+# ---------------------------------------------------------------------- the port, on a scripted swarm
+
+
+@dataclass
+class ScriptedSwarm:
+    """What ``SwarmPort`` asks of ``swarm.facade.Swarm``, scripted: records, votes, downloads, rounds."""
+
+    peer_id: str = "me"
+    cfg: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_round_weight=100.0))
+    averaged: list[tuple[float, float]] = field(default_factory=list)
+    claims: dict[str, int] = field(default_factory=dict)
+    speeds: dict[str, float] = field(default_factory=dict)
+    votes: dict[str, str] = field(default_factory=dict)
+    donor: SimpleNamespace | None = None
+    downloads: list[tuple[int, frozenset[str] | None]] = field(default_factory=list)
+    result: RoundResult | None = None
+
+    def records(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0))
+                for p, e in self.claims.items()]
+
+    def checksum_votes(self, epoch: int) -> dict[str, str]:
+        return dict(self.votes)
+
+    def download(self, templates, min_epoch, timeout=None, trusted=None):  # noqa: ANN001, ANN201
+        self.downloads.append((min_epoch, trusted))
+        return self.donor
+
+    def serve(self, anchors, momentum, epoch, *, checksum) -> None:  # noqa: ANN001
+        pass
+
+    def average(self, delta, weight, staleness, epoch, stale, stale_weight) -> RoundResult:  # noqa: ANN001
+        self.averaged.append((weight, stale_weight))
+        return self.result
+
+
+def _port(swarm: ScriptedSwarm) -> tuple[SwarmPort, OuterState]:
+    params = [torch.zeros(4)]
+    state = OuterState(params, lr=0.7, momentum=0.9, policy=StalenessPolicy(), device="cpu")
+    port = SwarmPort(swarm, state, params, [], NO_FAULTS, eager=False)  # type: ignore[arg-type]
+    port.start()
+    return port, state
+
+
+def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> None:
+    swarm = ScriptedSwarm(claims={"me": 3, "a": 3, "b": 3, "liar": 10**6})
+    port, _ = _port(swarm)
+    assert port.observe(3).swarm_epoch == 10**6  # a peer with no history cannot tell yet
+    assert not port.resync(10**6)  # the liar serves nothing acceptable
+    assert swarm.downloads == [(10**6, None)]
+    assert port.observe(3).swarm_epoch == 3  # one failed try, then the claim stops stalling it
+    # After a complete round with a and b, the liar's claims never count, whatever it raises them to.
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
+    port.average([torch.zeros(4)], 1.0, 0, 3, None, 0.0)
+    swarm.claims["liar2"] = 10**7
+    assert port.observe(3).swarm_epoch == 3
+    swarm.claims["a"] = 4  # a trusted peer ahead still pulls this one along, checked against trusted peers
+    assert port.observe(3).swarm_epoch == 4
+    swarm.donor = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a")
+    assert port.resync(4)
+    assert swarm.downloads[-1] == (4, frozenset({"a", "b"}))
+
+
+def test_port_checksum_vote_counts_groupmates_not_sybils() -> None:
+    swarm = ScriptedSwarm(claims={"me": 2, "a": 2})
+    port, state = _port(swarm)
+    mine = state_sha256(state.anchors, [torch.zeros(4)])
+    swarm.votes = {s: "f" * 64 for s in SYBILS} | {"me": mine}
+    assert not port.in_minority(2)
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 2, contributors=("me", "a"), rejected=())
+    port.average([torch.zeros(4)], 1.0, 0, 2, None, 0.0)
+    swarm.votes["a"] = "1" * 64
+    assert port.in_minority(2)  # the one peer it averaged with holds other parameters: it drifted
+    swarm.votes["a"] = mine
+    assert not port.in_minority(2)
+
+
+def test_port_never_claims_more_than_max_round_weight() -> None:
+    swarm = ScriptedSwarm(result=RoundResult(Outcome.SKIPPED, "alone", 0))
+    port, _ = _port(swarm)
+    port.average([torch.zeros(4)], 1e6, 1, 0, [torch.zeros(4)], 250.0)  # e.g. work carried over many rounds
+    port.average([torch.zeros(4)], 40.0, 0, 0, None, 0.0)
+    assert swarm.averaged == [(100.0, 100.0), (40.0, 0.0)]
+
+
+def test_port_dylu_compares_only_trusted_speeds() -> None:
+    swarm = ScriptedSwarm(claims={"me": 0, "a": 0, "liar": 0}, speeds={"me": 2.0, "a": 3.0, "liar": 1e12})
+    port, _ = _port(swarm)
+    assert port.trusted_speeds() == []  # a claimed 10^12 steps/s would have cut everybody to min_local_steps
+    port.evidence.averaged_with(["a"])
+    assert port.trusted_speeds() == [("a", 3.0)]
