@@ -81,7 +81,12 @@ def test_ten_sybils_neither_move_the_epoch_nor_win_the_checksum_vote(tmp_path: P
         assert len(_together(rows)) >= ROUNDS, (name, rows)
         for r in rows:
             assert r["new_epoch"] < 1000, (name, r)  # never adopted, nor waited on, the inflated epoch
-            assert "checksum" not in r["reason"], (name, r)  # the 10-to-3 vote moved nobody
+            if "checksum" in r["reason"]:
+                # The 10-to-3 vote moved nobody: a peer defers to a checksum only on a genuine divergence among
+                # honest peers (its round that made the epoch was not the one group of all three, e.g. it
+                # averaged in a pair while the third joined), and then ends with the others' parameters (below).
+                made = [x for x in rows if x["new_epoch"] == r["epoch"] and x["outcome"] != "skipped"]
+                assert made and made[-1]["group_size"] < len(NAMES), (name, r, made)
             assert set(r["contributors"]) <= set(ids.values()), (name, r)
             assert not any(b.split(": ", 1)[0] in ids.values() for b in r["rejected"] + r["record_bans"]), (name, r)
         # Once it averaged, every round of a peer either averaged or was cleanly skipped at the others' stop.
