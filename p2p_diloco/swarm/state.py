@@ -11,8 +11,8 @@ the averager's own stub, and accepts a state only after checking it:
   ``core.evidence.EPOCH_LIMIT``;
 - parameters and momentum: their digest (``checksum.state_sha256``) equals the one the donor claims, and the
   published checksums of that epoch allow it (``core.evidence.state_verdict``): with ``trusted`` peers, a
-  state from any other donor must carry a digest trusted peers published; without, no strict majority of
-  all voters may contradict it.
+  state from any other donor must carry a digest trusted peers published; without trusted peers, no vote
+  counts (a head count of free identities).
 
 Donors this peer trusts are asked first; the rest in the order of their self-declared priority.
 

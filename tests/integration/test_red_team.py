@@ -55,7 +55,13 @@ def test_ten_sybils_neither_move_the_epoch_nor_win_the_checksum_vote(tmp_path: P
                  "the Sybils' first records")
         assert attacker.poll() is None, (tmp_path / "sybil.out").read_text()[-3000:]
         args = ("--run-id", "rt", "--local-steps", "4", "--min-local-steps", "4", "--max-rounds", "40")
-        procs = {name: start_peer(tmp_path, name, maddr, *args) for name in NAMES}
+        # The first peer meets Sybils of a made-up model. The others start once the Sybils claim the honest
+        # model (read from the first peer's record): as newcomers they then face the inflated epoch for sure,
+        # whatever the machine's load does to the timing.
+        procs = {"a": start_peer(tmp_path, "a", maddr, *args)}
+        wait_for(lambda: _report(out).get("fingerprint", "abcdef01") != "abcdef01" or procs["a"].poll() is not None,
+                 90, "the Sybils to claim the honest model")
+        procs.update({name: start_peer(tmp_path, name, maddr, *args) for name in NAMES[1:]})
         wait_for(lambda: all(len(_together(events(tmp_path, n, "round"))) >= ROUNDS for n in NAMES)
                  or any(p.poll() is not None for p in procs.values()), 180, f"{ROUNDS} rounds of all three")
         for proc in procs.values():

@@ -13,7 +13,7 @@ node's guard accepts them: nothing about them is malformed):
   K > n such votes used to make honest peers believe they drifted.
 
 It serves no state. OUT.json gets ``{"sybils": [...], "node": ...}`` once up, then how many records were sent
-and how many nodes accepted, and the honest epochs it saw.
+and how many nodes accepted, the honest epochs it saw and the fingerprint its last records claimed.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def main() -> None:
         report["sent"] += sent
         report["accepted"] += accepted
         report["honest_epochs"].append(honest_epoch)
+        report["fingerprint"] = fingerprint  # the model the records just sent claim
         _write(out_path, report)
         stop.wait(PERIOD_S)
         found = dht.get(progress_key(run), latest=True)  # after the first blast: a lookup of nothing is slow
