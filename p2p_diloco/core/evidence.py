@@ -24,12 +24,15 @@ epochs and digests):
   with hold other parameters, never because k fresh ids say so.
 - **Donor states** (:func:`state_verdict`): from a trusted donor, accepted unless trusted voters published
   another digest for that epoch; from anyone else, only when trusted voters published its digest. A peer
-  that trusts nobody visible accepts any verified state: a vote of voters it cannot tell apart is a head
-  count of free identities, which could only ever veto. Ten Sybil votes against one honest donor's digest
-  kept a joiner from the honest state, and two newcomers then trained apart from the peer that was ahead (a
-  split at start-up, seen in ``tests/integration/test_red_team.py``); an attacker that serves a state can
-  vote for it just as well, so the vote protected nothing in exchange. A brand-new joiner without
-  ``--trusted-peers`` has nothing to check a state against; its first all-reduce tells it.
+  that trusts nobody visible uses the votes only to choose among donors: it prefers a verified state no
+  strict majority of voters contradicts, and takes a contradicted one when no other is acceptable
+  (``swarm.state.download_state``). Voters it cannot tell apart are a head count of free identities: ten
+  Sybil votes against the one honest donor's digest kept joiners from the honest state, and two newcomers
+  then trained apart from the peer that was ahead (a split at start-up, seen in
+  ``tests/integration/test_red_team.py``). An attacker that serves a state can vote for it as well, so a
+  veto protected nothing in exchange; against a lone corrupt donor among honest voting ones the
+  preference still picks the honest state. A brand-new joiner without ``--trusted-peers`` has nothing
+  better to check a state against.
 - **Epochs are bounded** by :data:`EPOCH_LIMIT`: claims and states beyond it are implausible and ignored,
   far below the wire formats' 10^9, so no accepted epoch can overflow them.
 
@@ -87,10 +90,14 @@ def state_verdict(donor: str, digest: str, votes: Mapping[str, str], trusted: fr
     """Why a verified donor state (``digest``: parameters and momentum) must not be loaded, or ``None``.
 
     ``votes`` are every valid checksum published for the state's epoch (voter -> digest); ``trusted`` the
-    peers this one trusts, or ``None`` when none of them is visible: then no vote counts (see the module
-    docstring).
+    peers this one trusts, or ``None`` when none of them is visible: then a veto here only ranks the donor
+    last (see the module docstring and ``swarm.state.download_state``).
     """
     if trusted is None:
+        major = strict_majority(votes)
+        if major is not None and major != digest:
+            count = sum(1 for v in votes.values() if v == major)
+            return f"differ from the checksum {count}/{len(votes)} untrusted peers published"
         return None
     trusted_votes = {peer: d for peer, d in votes.items() if peer in trusted}
     major = strict_majority(trusted_votes)

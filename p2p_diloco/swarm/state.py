@@ -312,50 +312,63 @@ def download_state(
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in templates})
     votes: dict[int, dict[str, str]] = {}
     rejected: list[str] = []
-    for peer, _priority in donors:
+    outvoted_only: list[str] = []  # newcomers: donors whose only fault was a head count of untrusted votes
+
+    def attempt(peer: str, count_votes: bool) -> tuple[SwarmState | None, str | None, bool]:
+        """(state, problem, vetoed by votes alone) of one donor."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            rejected.append(f"{peer}: not tried, state_download_timeout_s ran out")
-            break
+            return None, "not tried, state_download_timeout_s ran out", False
         try:
             raw, tensors = averager.download_state_from(
                 peer, timeout=remaining, max_bytes=max_bytes, dtypes=dtypes, max_tensors=len(templates)
             )
-            problem = None
             meta = check_state_metadata(
                 raw, cfg.run_id, averager.fingerprint, len(template_params), len(template_opt)
             )
-            if isinstance(meta, str):
-                problem = meta
-            else:
-                problem = _check_tensors(tensors, templates)
+            problem = meta if isinstance(meta, str) else _check_tensors(tensors, templates)
         except Exception as e:
-            problem = f"download failed: {e}"
+            return None, f"download failed: {e}", False
         if problem is None and meta["ep"] < min_epoch:
             problem = f"state of epoch {meta['ep']} is older than the swarm's epoch {min_epoch}"
-        if problem is None:
-            params = tensors[: len(template_params)]
-            sha = state_sha256(params, tensors[len(template_params) :])
-            if sha != meta["sha"]:
-                problem = f"parameters and momentum hash to {sha[:12]}..., the donor claims {meta['sha'][:12]}..."
-            else:
-                if meta["ep"] not in votes:
-                    votes[meta["ep"]] = fetch_checksums(averager.dht, cfg.run_id, meta["ep"])
-                verdict = state_verdict(peer, sha, votes[meta["ep"]], trusted)
-                if verdict is not None:
-                    problem = f"parameters {sha[:12]}... {verdict} for epoch {meta['ep']}"
         if problem is not None:
-            logger.warning("Rejected state from %s: %s", peer, problem)
-            rejected.append(f"{peer}: {problem}")
-            continue
-        logger.info("Loaded state of epoch %d from %s", meta["ep"], peer)
-        return SwarmState(
-            params=params,
-            opt_tensors=tensors[len(template_params) :],
-            epoch=meta["ep"],
-            state_sha256=sha,
-            donor=peer,
-            rejected=tuple(rejected),
-        )
+            return None, problem, False
+        params = tensors[: len(template_params)]
+        sha = state_sha256(params, tensors[len(template_params) :])
+        if sha != meta["sha"]:
+            return None, f"parameters and momentum hash to {sha[:12]}..., the donor claims {meta['sha'][:12]}...", False
+        if count_votes:
+            if meta["ep"] not in votes:
+                votes[meta["ep"]] = fetch_checksums(averager.dht, cfg.run_id, meta["ep"])
+            verdict = state_verdict(peer, sha, votes[meta["ep"]], trusted)
+            if verdict is not None:
+                return None, f"parameters {sha[:12]}... {verdict} for epoch {meta['ep']}", trusted is None
+        state = SwarmState(params=params, opt_tensors=tensors[len(template_params) :], epoch=meta["ep"],
+                           state_sha256=sha, donor=peer, rejected=tuple(rejected))
+        return state, None, False
+
+    for peer, _priority in donors:
+        state, problem, vetoed = attempt(peer, count_votes=True)
+        if state is not None:
+            logger.info("Loaded state of epoch %d from %s", state.epoch, peer)
+            return state
+        logger.warning("Rejected state from %s: %s", peer, problem)
+        rejected.append(f"{peer}: {problem}")
+        if vetoed:
+            outvoted_only.append(peer)
+        if problem.startswith("not tried"):
+            break
+    # A newcomer counts votes only to choose among donors: voters it cannot tell apart are free identities,
+    # and letting them veto every donor kept joiners from the honest state and split the swarm at start-up
+    # (ten Sybil votes against the one honest donor, tests/integration/test_red_team.py). An attacker that
+    # serves a state can vote for it as well, so the veto protected nothing a newcomer could otherwise keep.
+    for peer in outvoted_only:
+        state, problem, _ = attempt(peer, count_votes=False)
+        if state is not None:
+            logger.warning("Loaded state of epoch %d from %s, which only untrusted checksum votes contradicted "
+                           "(no trusted peer is online to tell; give --trusted-peers in an open swarm)",
+                           state.epoch, peer)
+            return state
+        rejected.append(f"{peer}: {problem}")
     logger.info("No acceptable state from %d donor(s)", len(rejected))
     return None

@@ -257,7 +257,7 @@ def test_state_download_rejects_bad_donors_and_uses_a_good_one(swarm: Swarm) -> 
     rejected = {line.split(":")[0]: line for line in state["rejected"]}
     assert "NaN" in rejected[bad["nan"].info["peer_id"]]
     assert "expected (3, 4)" in rejected[bad["shape"].info["peer_id"]]
-    assert "differ from the checksum 2/2 peers published" in rejected[bad["tampered"].info["peer_id"]]
+    assert "differ from the checksum 2/2 untrusted peers published" in rejected[bad["tampered"].info["peer_id"]]
     _assert_close(state["params"], [t.double() for t in pattern(SHAPES, 7.0)])
     _assert_close(state["opt"], [t.double() for t in pattern(SHAPES, 107.0)])
     assert result["too_old_result"] == "None"

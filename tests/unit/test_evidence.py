@@ -106,11 +106,10 @@ def test_a_donor_state_needs_a_trusted_digest_unless_the_donor_is_trusted() -> N
     # Trusted donor: accepted unless trusted voters published another digest.
     assert state_verdict("a", good, sybil_votes, trusted) is None
     assert "trusted peers published" in state_verdict("a", good, {"b": evil}, trusted)
-    # A newcomer counts no vote: ten Sybil votes against the honest donor's digest are a head count of free
-    # identities, and honoring them kept joiners from the honest state (a split at start-up).
+    # A newcomer's verdict from untrusted votes (download_state then only ranks such a donor last: a veto by
+    # a head count of free identities kept joiners from the honest state and split the swarm at start-up).
     assert state_verdict("x", good, {}, None) is None
-    assert state_verdict("x", good, {"p": evil, "q": evil, "r": good}, None) is None
-    assert state_verdict("honest", good, sybil_votes, None) is None
+    assert "2/3 untrusted peers" in state_verdict("x", good, {"p": evil, "q": evil, "r": good}, None)
 
 
 def test_the_state_digest_covers_the_momentum() -> None:
