@@ -140,9 +140,10 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             now = time.time()
-            phases = {name: read_phase(port) or "starting" for name, (_pid, port) in list(self.peers.items())}
+            peers = dict(self.peers)
+            phases = {name: read_phase(port) or "starting" for name, (_pid, port) in peers.items()}
             self.syncing = {n for n, p in phases.items() if p == "syncing"}
-            for name, (pid, _port) in list(self.peers.items()):
+            for name, (pid, _port) in peers.items():
                 pss = tree_pss(pid)
                 if pss is None:
                     continue
