@@ -160,6 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if tracker:
                 tracker.eval(eval_loss, session.epoch)
             print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
+
+        def on_saved(epoch: int, seconds: float) -> None:  # on the checkpoint writer's thread
+            runlog.write("checkpoint", peer_id=session.peer_id, epoch=epoch, checkpoint_seconds=seconds)
+            if metrics:
+                metrics.checkpoint_saved()
+
         while not session.done:
             session.begin_round()
             steps = session.local_steps()
@@ -179,8 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + (f" [{report.reason}]" if report.reason and report.outcome is not Outcome.AVERAGED else ""),
                   flush=True)
             if cfg.run.checkpoint_dir and session.rounds_done % cfg.run.checkpoint_every == 0:
-                if save_session(session) and metrics:
-                    metrics.checkpoint_saved()
+                save_session(session, on_saved)
     except Stop:
         display.clear()
         print("stopping", flush=True)

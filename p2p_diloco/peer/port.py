@@ -7,9 +7,11 @@ only by loading a verified download, and tells listeners what happens. The decis
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from p2p_diloco.core.rounds import Observation, RoundResult
 from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import FaultHooks
 from p2p_diloco.peer.report import SessionListener
+from p2p_diloco.swarm.checksum import params_sha256
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.records import PeerProgress
 
@@ -38,6 +41,14 @@ class SwarmPort:
         self.last_seen_others: float | None = None
         self.late_start_s = 0.0
         """Seconds the last state download took (the next phase is shortened by that much; see DyLU)."""
+        self.sha: str | None = None
+        """The anchors' sha256 as served now (None while they change): hashed once per new state."""
+        self.writer: threading.Thread | None = None
+        """A checkpoint being written from the live anchors (``peer.resume.CheckpointWriter``)."""
+        self._zeros: list[torch.Tensor] | None = None
+        self.network_s = 0.0
+        """Seconds spent in calls that talk to the swarm since the session last reset it (the round's
+        overhead is the rest of ``end_round``)."""
 
     def start(self) -> None:
         if self.eager:
@@ -46,6 +57,16 @@ class SwarmPort:
     def close(self, timeout: float) -> None:
         if self.overlap is not None:
             self.overlap.close(timeout=timeout)
+        self.wait_writer()
+
+    def wait_writer(self) -> None:
+        """Let a checkpoint being written from the live anchors finish (before they change)."""
+        if self.writer is not None:
+            began = time.monotonic()
+            self.writer.join()
+            if time.monotonic() - began > 1.0:
+                logger.info("Waited %.1f s for the checkpoint being written", time.monotonic() - began)
+            self.writer = None
 
     def notify(self, method: str, *args: Any) -> None:
         for listener in self.listeners:
@@ -70,13 +91,23 @@ class SwarmPort:
         epochs = [r.epoch for r in self.records() if not r.client_mode]
         return max(epochs) if epochs else None
 
+    @contextlib.contextmanager
+    def _network(self) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.network_s += time.monotonic() - began
+
     def observe(self, epoch: int) -> Observation:
-        swarm_epoch = self.swarm_epoch()
+        with self._network():
+            swarm_epoch = self.swarm_epoch()
         unseen = None if self.last_seen_others is None else time.monotonic() - self.last_seen_others
         return Observation(epoch, swarm_epoch, self.peers_visible, unseen_s=unseen)
 
     def in_minority(self, epoch: int) -> bool:
-        return self.swarm.in_minority(epoch, self.state.anchors)
+        with self._network():
+            return self.swarm.in_minority(epoch, self.state.anchors, self.anchors_sha())
 
     def averaging(self, epoch: int) -> None:
         self.notify("status", "averaging", epoch)
@@ -86,12 +117,15 @@ class SwarmPort:
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
-        return self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight)
+        # the fresh mean stays in the averager's buffer: the driver applies it before the next round
+        with self._network():
+            return self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight, copy_out=False)
 
     def resync(self, min_epoch: int, timeout: float | None = None) -> bool:
         self.notify("status", "syncing", min_epoch)
         began = time.monotonic()
-        state = self.swarm.download(self.state.anchors, min_epoch, timeout)
+        with self._network():
+            state = self.swarm.download(self.state.anchors, min_epoch, timeout)
         self.notify("state_transfer", "received", state is not None)
         if state is None:
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours", min_epoch)
@@ -100,9 +134,12 @@ class SwarmPort:
         if self.state.outer.momentum > 0:
             # Donors always serve a momentum (zeros when they have none); without momentum there is none to load.
             tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
+        self.withdraw()
         self.state.load_state_tensors(tensors, state.epoch)
+        del tensors
+        state.params, state.opt_tensors = [], []  # the downloaded copy goes now, not when resync returns
         self.state.begin(self.params)
-        self.serve(checksum=False)
+        self.serve(checksum=False, sha=state.params_sha256)  # the download was verified against this hash
         self.late_start_s = time.monotonic() - began
         logger.info("Synchronised to epoch %d from %s", state.epoch, state.donor)
         return True
@@ -112,7 +149,8 @@ class SwarmPort:
         self.serve(checksum=not self.eager)
 
     def collect(self, epoch: int, timeout: float) -> Collected:
-        return self.overlap.collect(epoch, timeout)
+        with self._network():
+            return self.overlap.collect(epoch, timeout)
 
     def launch(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> bool:
@@ -122,10 +160,35 @@ class SwarmPort:
         if self.overlap is not None:
             self.overlap.discard(why)
 
+    def delta_buffers(self) -> list[torch.Tensor] | None:
+        return None if self.eager else self.swarm.fresh_buffers()
+
+    def withdraw(self) -> None:
+        self.wait_writer()
+        with self._network():  # waits only for downloads being served
+            self.swarm.withdraw()
+        self.sha = None
+
     # ------------------------------------------------------------------ state
 
-    def serve(self, *, checksum: bool) -> None:
-        """Serve the current anchors and momentum to joiners (and publish their checksum if asked)."""
-        momentum = [m if m is not None else torch.zeros_like(a)
-                    for m, a in zip(self.state.outer.momentum_buffers(), self.state.anchors, strict=True)]
-        self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum)
+    def serve(self, *, checksum: bool, sha: str | None = None) -> None:
+        """Serve the current anchors and momentum to joiners (and publish their checksum if asked). The anchors
+        are hashed here, once per state (``sha`` when already known, e.g. a verified download's)."""
+        buffers = self.state.outer.momentum_buffers()
+        if all(m is not None for m in buffers):
+            self._zeros = None
+            momentum = buffers
+        else:
+            # before the first outer step, or FedAvg: donors always serve a momentum; zeros, allocated once
+            if self._zeros is None:
+                self._zeros = [torch.zeros_like(a) for a in self.state.anchors]
+            momentum = [m if m is not None else z for m, z in zip(buffers, self._zeros, strict=True)]
+        sha = sha if sha is not None else params_sha256(self.state.anchors)  # the round's one hash pass
+        with self._network():
+            self.sha = self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum, sha=sha)
+
+    def anchors_sha(self) -> str:
+        """The anchors' sha256 (hashed when they were last served)."""
+        if self.sha is None:
+            self.sha = params_sha256(self.state.anchors)
+        return self.sha
