@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n = model["params"]
     logger.info("%s: %d parameters, %s", args.preset, n, model["by_device"])
     env = _env()
+    env.update(dict(kv.split("=", 1) for kv in args.env))
     boot_out = open(work / "bootstrap.out", "w")
     boot = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path",
                              str(work / "bootstrap.id"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "preset": args.preset, "params": n, "peers": args.peers, "joiner": args.joiner, "rounds": args.rounds,
         "local_steps": args.local_steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "extra_args": args.extra, "label": args.label, "model_side": model["by_device"],
+        "extra_args": args.extra, "env": args.env, "label": args.label, "model_side": model["by_device"],
         "model_side_b_per_param": sum(sum(d.values()) for d in model["by_device"].values()) / n,
         "phases": phases,
         "outcomes": {name: {o: [r["outcome"] for r in rows].count(o) for o in {r["outcome"] for r in rows}}
@@ -303,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--interval", type=float, default=0.5)
     r.add_argument("--timeout", type=float, default=1800)
     r.add_argument("--keep", action="store_true", help="keep the peers' logs")
+    r.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the peers, e.g. MALLOC_MMAP_THRESHOLD_=65536")
     r.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more run_peer flags")
     sub.add_parser("report", help="BENCHMARKS.md table, plot and extrapolation from memory.json")
     args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ from p2p_diloco.checkpoint import CheckpointError, DamagedCheckpointError, load_
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.config_loader import to_dict
 from p2p_diloco.data.sources import DataSourceError
+from p2p_diloco.host_memory import return_freed_memory
 from p2p_diloco.models import ModelLoadError, count_parameters, model_fingerprint
 from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay
 from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingError
@@ -99,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "doctor, export, eval, plot (run_peer SUBCOMMAND --help).", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
+    return_freed_memory()  # before the model exists and the swarm's processes are forked (see host_memory)
     runlog = RunLog(cfg.run.log_file)
     try:
         tokenizer, model = build_model_and_tokenizer(cfg)
