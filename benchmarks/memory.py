@@ -63,20 +63,26 @@ def _env() -> dict[str, str]:
     return env
 
 
-def tree_pss(pid: int) -> int | None:
-    """PSS in bytes of ``pid`` and all its descendants, or None when it is gone."""
+def tree_pss(pid: int) -> dict[str, int] | None:
+    """PSS in bytes of ``pid`` and all its descendants by part, or None when it is gone. Parts: ``training``
+    (the peer's own process), ``children`` (the forked DHT and averager processes), ``p2pd`` (libp2p daemons),
+    ``other`` (e.g. torch's shared-memory manager)."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return None
-    total = 0
+    parts = {"training": 0, "children": 0, "p2pd": 0, "other": 0}
     for proc in procs:
         try:
-            total += proc.memory_full_info().pss
+            pss = proc.memory_full_info().pss
+            name = proc.name()
         except psutil.Error:
             continue
-    return total
+        part = ("training" if proc.pid == pid else "p2pd" if name.startswith("p2pd")
+                else "children" if name.startswith("python") else "other")
+        parts[part] += pss
+    return parts
 
 
 def read_phase(port: int) -> str | None:
@@ -131,6 +137,7 @@ class Sampler(threading.Thread):
         self.interval = interval
         self.peers: dict[str, tuple[int, int]] = {}  # name -> (pid, metrics port)
         self.samples: list[tuple[float, str, str, int]] = []
+        self.parts: list[dict[str, int]] = []
         self.syncing: set[str] = set()
         self._stop_event = threading.Event()
 
@@ -144,13 +151,14 @@ class Sampler(threading.Thread):
             phases = {name: read_phase(port) or "starting" for name, (_pid, port) in peers.items()}
             self.syncing = {n for n, p in phases.items() if p == "syncing"}
             for name, (pid, _port) in peers.items():
-                pss = tree_pss(pid)
-                if pss is None:
+                parts = tree_pss(pid)
+                if parts is None:
                     continue
                 phase = phases[name]
                 if phase in ("training", "averaging", "matchmaking") and self.syncing - {name}:
                     phase = "serving"
-                self.samples.append((now, name, phase, pss))
+                self.samples.append((now, name, phase, sum(parts.values())))
+                self.parts.append(parts)
             self._stop_event.wait(self.interval)
 
     def stop(self) -> None:
@@ -249,9 +257,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     phases: dict[str, dict[str, Any]] = {}
     for phase in sorted({s[2] for s in sampler.samples}):
         values = [s[3] for s in sampler.samples if s[2] == phase]
+        parts = [p for s, p in zip(sampler.samples, sampler.parts, strict=True) if s[2] == phase]
         phases[phase] = {"samples": len(values), "steady_bytes": statistics.median(values),
                          "peak_bytes": max(values), "steady_b_per_param": statistics.median(values) / n,
-                         "peak_b_per_param": max(values) / n}
+                         "peak_b_per_param": max(values) / n,
+                         "steady_parts_bytes": {k: statistics.median(p[k] for p in parts) for k in parts[0]}}
     rounds = {name: _rows(work / f"{name}.jsonl", "round") for name in procs}
     ckpts = {name: _rows(work / f"{name}.jsonl", "checkpoint") for name in procs}
     overhead = [r.get("overhead_seconds") for rows in rounds.values() for r in rows[1:]
