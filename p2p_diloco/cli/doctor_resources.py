@@ -19,14 +19,17 @@ PROCESS_OVERHEAD_BYTES = int(0.65 * GIB)
 p2p daemons): a peer of the 0.84M-parameter tiny preset, whole process tree, proportional set size, median
 0.57 GiB and peak 0.60 GiB while training in a 2-peer swarm (benchmarks/memory.py, CPU build of torch 2.13)."""
 
-HOST_BYTES_PER_PARAM = 12.0
-"""Host bytes per parameter of the swarm side, steady (benchmarks/memory.py, ``150m`` preset, 2-peer swarm):
-anchors 4, outer momentum 4, the averager's shared buffer 4 (the pseudo-gradient is written into it; the
-state is served from the anchors themselves). On the CPU the training side (16) comes on top."""
+HOST_BYTES_PER_PARAM = 16.0
+"""Host bytes per parameter of the swarm side, steady: 15.8 measured while training (benchmarks/memory.py,
+``150m`` preset, 2-peer swarm, whole process tree PSS less the model side and the runtime). Of it, anchors 4,
+outer momentum 4 and the averager's shared buffer 4 (the pseudo-gradient is written into it; the state is
+served from the anchors themselves); the rest is allocator and process slack. On the CPU the training side
+(16) comes on top."""
 
-HOST_PEAK_BYTES_PER_PARAM = 16.0
-"""Host bytes per parameter of the swarm side at its peak (a resync: the downloaded state sits beside the
-anchors until it is verified and loaded; a late fold: the late work and its round buffer)."""
+HOST_PEAK_BYTES_PER_PARAM = 28.0
+"""Host bytes per parameter of the swarm side at its peak: 27.7 measured on a joiner downloading the state
+(the downloaded parameters and momentum sit beside its own until they are verified and loaded, and a peer
+that resyncs keeps its phase's work as late work); 20 measured at every other phase."""
 
 GPU_BYTES_PER_PARAM = {"fp32": 16, "bf16": 8}
 """Training-device bytes per parameter by ``--weights-dtype``: weights, gradients and AdamW's two moments, all
