@@ -141,7 +141,7 @@ class OuterState:
         return out
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: Mapping[str, Tensor], epoch: int) -> None:
+    def load_state_tensors(self, tensors: Mapping[str, Tensor], epoch: int, *, take: bool = False) -> None:
         """Replace anchors, momentum and eager state (from a checkpoint or a verified download).
 
         Validates everything before changing anything. Error-feedback residuals are dropped: they
@@ -169,7 +169,7 @@ class OuterState:
         EagerOuterStep().load_state_tensors(tensors, like=self.anchors)
         for a, t in zip(self.anchors, anchors, strict=True):
             a.copy_(t)
-        self.outer.load_state_tensors(tensors)
+        self.outer.load_state_tensors(tensors, take=take)
         self.eager.load_state_tensors(tensors, like=self.anchors)
         if self.feedback is not None:
             self.feedback.reset()

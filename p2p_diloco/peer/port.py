@@ -124,18 +124,24 @@ class SwarmPort:
     def resync(self, min_epoch: int, timeout: float | None = None) -> bool:
         self.notify("status", "syncing", min_epoch)
         began = time.monotonic()
+        # A peer that is behind has nothing worth serving (joiners refuse states older than the swarm's): stop
+        # serving before the download, and drop the zeros kept for serving, so that the downloaded state does
+        # not sit beside them.
+        known = self.sha
+        self.withdraw()
+        self._zeros = None
         with self._network():
             state = self.swarm.download(self.state.anchors, min_epoch, timeout)
         self.notify("state_transfer", "received", state is not None)
         if state is None:
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours", min_epoch)
+            self.serve(checksum=False, sha=known)
             return False
         tensors = {f"param.{i}": t for i, t in enumerate(state.params)}
         if self.state.outer.momentum > 0:
             # Donors always serve a momentum (zeros when they have none); without momentum there is none to load.
             tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
-        self.withdraw()
-        self.state.load_state_tensors(tensors, state.epoch)
+        self.state.load_state_tensors(tensors, state.epoch, take=True)  # the downloaded momentum becomes ours
         del tensors
         state.params, state.opt_tensors = [], []  # the downloaded copy goes now, not when resync returns
         self.state.begin(self.params)
