@@ -154,8 +154,38 @@ def markdown(data: dict[str, Any], summaries: list[dict[str, Any]], extra: list[
                          f"{'yes' if r['host_fits_32gb'] else 'no'} | {g['fp32'] / 1e9:.1f} | "
                          f"{g['fp32+ckpt'] / 1e9:.1f} | {g['bf16'] / 1e9:.1f} | {g['bf16+ckpt'] / 1e9:.1f} | "
                          f"{', '.join(r['gpu_fits_24gb']) or 'none'} |")
-    lines += ["", "![memory](benchmarks/results/memory.png)", "", END]
+    lines += ["", *reading(summaries, extra), "", "![memory](benchmarks/results/memory.png)", "", END]
     return "\n".join(lines)
+
+
+def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> list[str]:
+    """What the tables say, with the targets (steady <= 12, peak <= 16 bytes/param, overhead <= 1%)."""
+    out = ["Reading:", ""]
+    by = {(s["preset"], s["label"]): s for s in summaries}
+    for preset in ("small", "150m"):
+        before, after = by.get((preset, "before")), by.get((preset, "after"))
+        if before and after and "swarm_steady" in before and "swarm_steady" in after:
+            out.append(f"- {preset}: swarm side {before['swarm_steady']:.1f} -> {after['swarm_steady']:.1f} "
+                       f"bytes/param steady, {before['swarm_peak']:.1f} -> {after['swarm_peak']:.1f} at peak.")
+    largest = max((s for s in summaries if s["label"] == "after" and "swarm_steady" in s),
+                  key=lambda s: s["params"], default=None)
+    if largest:
+        worst = max(largest["phases"].items(), key=lambda kv: kv[1].get("swarm_peak", 0.0))
+        out.append(f"- Largest measured ({largest['preset']}): steady {largest['swarm_steady']:.1f} bytes/param "
+                   f"(target 12: {'met' if largest['swarm_steady'] <= 12 else 'missed'}), peak "
+                   f"{largest['swarm_peak']:.1f} in phase `{worst[0]}` (target 16: "
+                   f"{'met' if largest['swarm_peak'] <= 16 else 'missed'}).")
+        if "overhead_pct_of_500" in largest:
+            out.append(f"- Round overhead at {largest['preset']}: {largest['overhead_s']:.2f} s, "
+                       f"{largest['overhead_pct_of_500']:.3f}% of a 500-step phase of this CPU's steps (target 1%: "
+                       f"{'met' if largest['overhead_pct_of_500'] <= 1 else 'missed'}); "
+                       f"{largest['overhead_ns_per_param']:.0f} ns/param, i.e. about "
+                       f"{largest['overhead_ns_per_param']:.0f} s per round at 1B on this loaded CPU.")
+    for r in extra or []:
+        out.append(f"- {r['size']}: host {r['host_steady'] / 1e9:.1f} GB steady, {r['host_peak'] / 1e9:.1f} GB at "
+                   f"peak ({'fits' if r['host_fits_32gb'] else 'does not fit'} 32 GB RAM at its peak); GPU fits 24 GB "
+                   f"with: {', '.join(r['gpu_fits_24gb']) or 'no option'}.")
+    return out
 
 
 def report(path: Path) -> str:
