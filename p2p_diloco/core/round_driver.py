@@ -268,11 +268,15 @@ class RoundDriver:
         """
         origin = self.state.epoch
         # Anchors minus params again rather than ``delta``: delta may live in the averager's buffer, which a
-        # failed all-reduce overwrote; the parameters still hold this phase's (and any carried) work.
-        late = pseudo_gradient(self.state.anchors, self.params)
+        # failed all-reduce overwrote; the parameters still hold this phase's (and any carried) work. It goes
+        # into that idle buffer while the download runs (the downloaded state does not meet a fourth
+        # model-sized tensor there), and is copied out once the state is loaded.
+        buffers = None if self.policy.eager else self.port.delta_buffers()
+        late = (self.state.pseudo_gradient(self.params, out=buffers) if buffers is not None
+                else pseudo_gradient(self.state.anchors, self.params))
         if not self.port.resync(min_epoch):
             self.pending.carry(weight)
             return Outcome.SKIPPED
         self.new_state()
-        self.pending.stash_late(late, weight, origin)
+        self.pending.stash_late([t.clone() for t in late] if buffers is not None else late, weight, origin)
         return Outcome.RESYNCED
