@@ -26,10 +26,10 @@ outer momentum 4 and the averager's shared buffer 4 (the pseudo-gradient is writ
 served from the anchors themselves); the rest is allocator and process slack. On the CPU the training side
 (16) comes on top."""
 
-HOST_PEAK_BYTES_PER_PARAM = 28.0
-"""Host bytes per parameter of the swarm side at its peak: 27.7 measured on a joiner downloading the state
-(the downloaded parameters and momentum sit beside its own until they are verified and loaded, and a peer
-that resyncs keeps its phase's work as late work); 20 measured at every other phase."""
+HOST_PEAK_BYTES_PER_PARAM = 24.0
+"""Host bytes per parameter of the swarm side at its peak: 24.2 measured on a peer resyncing after a round
+(the downloaded parameters and momentum sit beside its own until they are verified and loaded; its phase's
+work waits in the averager's buffer meanwhile); at most 20.3 in every other phase."""
 
 GPU_BYTES_PER_PARAM = {"fp32": 16, "bf16": 8}
 """Training-device bytes per parameter by ``--weights-dtype``: weights, gradients and AdamW's two moments, all
