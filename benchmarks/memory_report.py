@@ -185,6 +185,16 @@ def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None)
         out.append(f"- {r['size']}: host {r['host_steady'] / 1e9:.1f} GB steady, {r['host_peak'] / 1e9:.1f} GB at "
                    f"peak ({'fits' if r['host_fits_32gb'] else 'does not fit'} 32 GB RAM at its peak); GPU fits 24 GB "
                    f"with: {', '.join(r['gpu_fits_24gb']) or 'no option'}.")
+    out += ["", "Not measured (misses stay listed):", "",
+            "- A 400-500M config: one such peer on this CPU needs about 17 GB of PSS at the 150m bytes/param "
+            "(37 per parameter with the training side on the CPU), on a 24 GiB machine shared with other jobs.",
+            "- 150m before the changes: two peers needed about 18 GB together; the issue's own measurement was "
+            "8.8 GB per peer.",
+            "- Late-work fold and eager overlap as phases: this benchmark injects no faults and runs without "
+            "`--overlap eager`; their buffers are counted from the code in docs/architecture.md (a fold adds a "
+            "4 bytes/param buffer for its round; eager keeps copies of its own term).",
+            "- The per-round hash still runs on the training thread (once per round now, inside the overhead "
+            "above)."]
     return out
 
 
