@@ -37,7 +37,8 @@ class LocalSetup:
 
 def build_model_and_tokenizer(cfg: TrainConfig) -> tuple[Tokenizer, PreTrainedModel]:
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.model, tuple(PRESETS))
-    model = build_model(cfg.model.model, tokenizer.vocab_size, cfg.model.seq_len, seed=cfg.run.seed)
+    dtype = torch.bfloat16 if cfg.inner.weights_dtype == "bf16" else torch.float32
+    model = build_model(cfg.model.model, tokenizer.vocab_size, cfg.model.seq_len, seed=cfg.run.seed, dtype=dtype)
     return tokenizer, model
 
 

@@ -115,6 +115,19 @@ class InnerConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """'auto' uses bf16 autocast on CUDA devices that support it and fp32 elsewhere."""
 
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them (transformers'
+    ``gradient_checkpointing_enable``): activations shrink from every layer's to each layer's input plus one
+    layer's, for about a third more compute per step. Turn it on when ``run_peer doctor`` says the
+    activations do not fit."""
+
+    weights_dtype: Literal["fp32", "bf16"] = "fp32"
+    """How the training device stores weights, gradients and AdamW moments. 'fp32': 16 bytes per parameter.
+    'bf16' (CUDA only): 8 bytes per parameter. The fp32 anchors on the host stay the source of truth of the
+    outer step: each round starts from them rounded to bf16, and the pseudo-gradient is measured from that
+    same rounded start. bf16 AdamW rounds away updates below about 2^-8 of a weight, so prefer fp32 when the
+    model fits; pretrained models are loaded in this dtype directly."""
+
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 65536:
             raise ValueError(f"batch_size: must be in [1, 65536], got {self.batch_size}")
@@ -137,6 +150,8 @@ class InnerConfig:
             raise ValueError(f"device: must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision: must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.weights_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"weights_dtype: must be fp32 or bf16, got {self.weights_dtype!r}")
 
     @property
     def micro_batch(self) -> int:
@@ -241,8 +256,13 @@ class RunConfig:
     checkpoint_dir: str | None = None
     """Folder for checkpoints (safetensors + JSON manifest). Default: no checkpoints."""
 
-    checkpoint_every: int = 1
-    """Save a checkpoint every this many rounds."""
+    checkpoint_every: int = 5
+    """Save a checkpoint every this many rounds (written in the background from the live outer state; the
+    next outer step waits for it). 5 by default: a checkpoint is 8 bytes per parameter (8 GB at 1B), and at
+    H = 500 a round is minutes to tens of minutes, so every 5th round bounds what a lost machine costs to
+    about an hour of its training while writing a tenth of the disk traffic of every round. A restarting
+    peer downloads the swarm's newer state anyway; its own checkpoint matters when the whole swarm stopped.
+    Use 1 for short runs and tests."""
 
     keep_checkpoints: int = 3
     """How many complete checkpoints to keep; older ones are deleted after a new one is written."""

@@ -61,8 +61,13 @@ def preset_config(name: str, vocab_size: int, seq_len: int) -> LlamaConfig:
     )
 
 
-def build_model(name: str, vocab_size: int, seq_len: int, seed: int = 0) -> PreTrainedModel:
+def build_model(name: str, vocab_size: int, seq_len: int, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Build a preset from scratch (same ``seed`` gives the same weights on every peer) or load ``name``.
+
+    ``dtype`` is what a pretrained model is loaded in (``--weights-dtype``: bf16 halves the host memory
+    the load takes); presets are built in fp32 and cast where they train. Code shipped with a hub model is
+    never run (``trust_remote_code=False``): only architectures transformers itself implements load.
 
     Every peer of a run must start from identical parameters; presets guarantee it through the seed, a
     pretrained model through its checkpoint. The swarm verifies it anyway with a checksum.
@@ -73,8 +78,8 @@ def build_model(name: str, vocab_size: int, seq_len: int, seed: int = 0) -> PreT
             model = LlamaForCausalLM(preset_config(name, vocab_size, seq_len))
         return model
     try:
-        AutoConfig.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.float32)
+        AutoConfig.from_pretrained(name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(

@@ -94,7 +94,22 @@ class InnerTrainer:
         self.cfg = cfg
         self.device = select_device(cfg.device)
         self.amp_dtype = autocast_dtype(self.device, cfg.precision)
-        self.model = model.to(self.device)
+        if cfg.weights_dtype == "bf16":
+            if self.device.type != "cuda":
+                raise ValueError("weights_dtype: bf16 weights need a CUDA device; use --weights-dtype fp32 here")
+            # the same Parameter objects, now bf16 on the GPU: the session's anchors stay fp32 on the host
+            self.model = model.to(self.device, dtype=torch.bfloat16)
+        else:
+            self.model = model.to(self.device)
+        if cfg.gradient_checkpointing:
+            # non-reentrant: works with inputs that need no grad and is what torch recommends. transformers 5
+            # names it activation checkpointing (the gradient_ name is its deprecated alias).
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False
         self.model.train()
         self._batches = iter(batches)
         self.optimizer = make_adamw(list(self.model.named_parameters()), cfg, fused=self.device.type == "cuda")

@@ -14,10 +14,26 @@ from p2p_diloco.cli.doctor_report import Check
 
 GIB = 2**30
 
-PROCESS_OVERHEAD_BYTES = 1 * GIB
+PROCESS_OVERHEAD_BYTES = int(0.65 * GIB)
 """Host memory the processes take besides tensors (interpreter, torch, the DHT and averager processes, the
-p2p daemons). A peer training the 0.84M-parameter tiny preset peaked at 0.72 GiB proportional set size, all
-its processes together (Linux, CPU build of torch 2.13); 1 GiB rounds that up."""
+p2p daemons): a peer of the 0.84M-parameter tiny preset, whole process tree, proportional set size, median
+0.57 GiB and peak 0.60 GiB while training in a 2-peer swarm (benchmarks/memory.py, CPU build of torch 2.13)."""
+
+HOST_BYTES_PER_PARAM = 16.0
+"""Host bytes per parameter of the swarm side, steady: 15.8 measured while training (benchmarks/memory.py,
+``150m`` preset, 2-peer swarm, whole process tree PSS less the model side and the runtime). Of it, anchors 4,
+outer momentum 4 and the averager's shared buffer 4 (the pseudo-gradient is written into it; the state is
+served from the anchors themselves); the rest is allocator and process slack. On the CPU the training side
+(16) comes on top."""
+
+HOST_PEAK_BYTES_PER_PARAM = 24.0
+"""Host bytes per parameter of the swarm side at its peak: 24.2 measured on a peer resyncing after a round
+(the downloaded parameters and momentum sit beside its own until they are verified and loaded; its phase's
+work waits in the averager's buffer meanwhile); at most 20.3 in every other phase."""
+
+GPU_BYTES_PER_PARAM = {"fp32": 16, "bf16": 8}
+"""Training-device bytes per parameter by ``--weights-dtype``: weights, gradients and AdamW's two moments, all
+in that dtype (fused AdamW on CUDA: no model-sized temporaries)."""
 
 
 
@@ -98,26 +114,48 @@ def model_fingerprint_of(cfg) -> str | None:
     return model_fingerprint(model, cfg.model.model)
 
 
-def training_bytes(shape: ModelShape, micro_batch: int, seq_len: int, low_precision: bool) -> int:
-    """What the training device holds: fp32 weights, gradients and AdamW's two moments (16 bytes per
-    parameter), plus activations of one micro-batch.
+def training_bytes(shape: ModelShape, micro_batch: int, seq_len: int, low_precision: bool, *,
+                   checkpointing: bool = False, weights_dtype: str = "fp32", fused_attention: bool = False) -> int:
+    """What the training device holds: weights, gradients and AdamW's two moments
+    (``GPU_BYTES_PER_PARAM``: 16 bytes per parameter in fp32, 8 with ``--weights-dtype bf16``), plus
+    activations of one micro-batch.
 
     Activations follow Korthikanti et al. (2022): per layer ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit, twice
     that in fp32, plus the logits and their gradient. It is an upper estimate: fused attention kernels skip
-    the ``5*a*s/h`` term. Lower ``--micro-batch-size`` (gradient accumulation keeps the batch) or
-    ``--seq-len`` when it does not fit.
+    the ``5*a*s/h`` term (``fused_attention=True`` leaves it out: transformers' SDPA attention on CUDA). With ``--gradient-checkpointing`` only each layer's input (``s*b*h``) is kept, and one
+    layer's activations at a time are rebuilt in the backward pass. Lower ``--micro-batch-size`` (gradient
+    accumulation keeps the batch) or ``--seq-len`` when it does not fit.
     """
-    width = 2 if low_precision else 4
-    per_layer = seq_len * micro_batch * shape.hidden * (34 + 5 * shape.heads * seq_len / shape.hidden)
-    activations = shape.layers * per_layer * width / 2
+    width = 2 if low_precision or weights_dtype == "bf16" else 4
+    attention = 0.0 if fused_attention else 5 * shape.heads * seq_len / shape.hidden
+    per_layer = seq_len * micro_batch * shape.hidden * (34 + attention) * width / 2
+    if checkpointing:
+        activations = shape.layers * seq_len * micro_batch * shape.hidden * width + per_layer
+    else:
+        activations = shape.layers * per_layer
     logits = 2 * micro_batch * seq_len * shape.vocab * 4
-    return int(16 * shape.parameters + activations + logits)
+    return int(GPU_BYTES_PER_PARAM[weights_dtype] * shape.parameters + activations + logits)
 
 
-def host_bytes(parameters: int) -> int:
-    """Host memory the swarm side keeps (all fp32, on the CPU even when training runs on a GPU): anchors,
-    outer momentum, the averager's buffer and at most one late pseudo-gradient, plus process overhead."""
-    return 16 * parameters + PROCESS_OVERHEAD_BYTES
+def host_bytes(parameters: int, *, peak: bool = True) -> int:
+    """Host memory the swarm side keeps (fp32, on the CPU even when training runs on a GPU), measured:
+    ``HOST_PEAK_BYTES_PER_PARAM`` (or ``HOST_BYTES_PER_PARAM`` steady) plus the process overhead."""
+    per_param = HOST_PEAK_BYTES_PER_PARAM if peak else HOST_BYTES_PER_PARAM
+    return int(per_param * parameters) + PROCESS_OVERHEAD_BYTES
+
+
+def gpu_options(shape: ModelShape, micro_batch: int, seq_len: int, low_precision: bool, free: int
+                ) -> list[tuple[str, int]]:
+    """The memory options in the order to try them, each as (flags, bytes needed), first the ones that fit:
+    gradient checkpointing costs compute only, bf16 weights cost precision."""
+    options = []
+    for flags, checkpointing, dtype in (("--gradient-checkpointing", True, "fp32"),
+                                        ("--weights-dtype bf16", False, "bf16"),
+                                        ("--gradient-checkpointing --weights-dtype bf16", True, "bf16")):
+        need = training_bytes(shape, micro_batch, seq_len, low_precision, checkpointing=checkpointing,
+                              weights_dtype=dtype)
+        options.append((flags, need))
+    return sorted(options, key=lambda o: o[1] > free)
 
 
 def checkpoint_bytes(parameters: int, momentum: float) -> int:
@@ -143,16 +181,24 @@ def check_resources(cfg, device) -> list[Check]:
     from p2p_diloco.device import autocast_dtype
 
     low = autocast_dtype(device, cfg.inner.precision) is not None
-    train = training_bytes(shape, cfg.inner.micro_batch, cfg.model.seq_len, low)
+    train = training_bytes(shape, cfg.inner.micro_batch, cfg.model.seq_len, low,
+                           checkpointing=cfg.inner.gradient_checkpointing, weights_dtype=cfg.inner.weights_dtype)
     host = host_bytes(shape.parameters) + (train if device.type != "cuda" else 0)
     available = psutil.virtual_memory().available
-    checks.append(_fits("memory", host, available, "host RAM",
-                        "close other programs, lower --micro-batch-size or --seq-len, or pick a smaller --model"))
+    checks.append(_fits("memory", host, available,
+                        f"host RAM (swarm side {HOST_PEAK_BYTES_PER_PARAM:.0f} bytes/parameter at its peak"
+                        + (", training side on the CPU too" if device.type != "cuda" else "") + ")",
+                        "close other programs, or pick a smaller --model (the swarm side's host memory grows "
+                        "with the parameters only)"))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        checks.append(_fits("gpu memory", train, free, f"free on {device}",
-                            "lower --micro-batch-size (the batch is kept by accumulation) or --seq-len, or "
-                            "free the GPU (nvidia-smi shows who holds it)"))
+        fix = ("lower --micro-batch-size (the batch is kept by accumulation) or --seq-len, or free the GPU "
+               "(nvidia-smi shows who holds it)")
+        if train > free:
+            best = gpu_options(shape, cfg.inner.micro_batch, cfg.model.seq_len, low, free)[0]
+            if best[1] <= free:
+                fix = f"it fits with {best[0]} (about {best[1] / GIB:.2f} GiB); or " + fix
+        checks.append(_fits("gpu memory", train, free, f"free on {device}", fix))
     checks.append(_check_disk(cfg, checkpoint_bytes(shape.parameters, cfg.outer.momentum)))
     return checks
 

@@ -35,6 +35,7 @@ from p2p_diloco.checkpoint import CheckpointError, DamagedCheckpointError, load_
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.config_loader import to_dict
 from p2p_diloco.data.sources import DataSourceError
+from p2p_diloco.host_memory import return_freed_memory
 from p2p_diloco.models import ModelLoadError, count_parameters, model_fingerprint
 from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay
 from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingError
@@ -152,6 +153,7 @@ def _main(argv: Sequence[str] | None) -> int:
                                "doctor, export, eval, plot (run_peer SUBCOMMAND --help).", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
+    return_freed_memory()  # before the model exists and the swarm's processes are forked (see host_memory)
     cfg, group = _join_node(cfg)
     lead = group is None or group.lead  # rank 0 of a node (or a one-GPU peer) prints, logs and checkpoints
     ranks = group.world_size if group else 1  # each rank trains on its own --batch-size
@@ -237,6 +239,12 @@ def _main(argv: Sequence[str] | None) -> int:
                 tracker.eval(eval_loss, session.epoch)
             if lead:
                 print(f"epoch {session.epoch}: eval loss {eval_loss:.4f}", flush=True)
+
+        def on_saved(epoch: int, seconds: float) -> None:  # on the checkpoint writer's thread
+            runlog.write("checkpoint", peer_id=session.peer_id, epoch=epoch, checkpoint_seconds=seconds)
+            if metrics:
+                metrics.checkpoint_saved()
+
         while not session.done:
             session.begin_round()
             steps = session.local_steps()
@@ -260,8 +268,7 @@ def _main(argv: Sequence[str] | None) -> int:
                 print(f"node rank {group.rank}: epoch {report.epoch} -> {report.new_epoch}: {report.outcome}, "
                       f"params sha256 {report.params_sha256}", flush=True)
             if cfg.run.checkpoint_dir and session.rounds_done % cfg.run.checkpoint_every == 0:
-                if save_session(session) and metrics:
-                    metrics.checkpoint_saved()
+                save_session(session, on_saved)
     except Stop:
         display.clear()
         print("stopping" if group is None else f"node rank {group.rank}: stopping", flush=True)

@@ -171,13 +171,17 @@ class OuterOptimizer:
         return state
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: Mapping[str, Tensor]) -> None:
+    def load_state_tensors(self, tensors: Mapping[str, Tensor], *, validate_only: bool = False,
+                           take: bool = False) -> None:
         """Restore the momentum from :meth:`state_tensors` output (e.g. ``safetensors`` ``load_file``).
 
         Keys not starting with ``outer.momentum.`` are ignored, so a checkpoint that also holds
         the model can be passed whole. The momentum keys must be either absent (the momentum
         is reset) or exactly one per anchor, each fp32, of the anchor's shape and finite.
-        Nothing is changed when validation fails.
+        Nothing is changed when validation fails; ``validate_only`` checks and changes nothing. Existing
+        momentum buffers are overwritten in place (no second model-sized allocation during a resync);
+        ``take=True`` adopts the given tensors as the buffers where there are none yet (the caller hands them
+        over, e.g. a verified download, instead of keeping both).
 
         Raises:
             ValueError: on missing, unknown, misshapen, non-fp32 or non-finite entries, or on
@@ -202,7 +206,8 @@ class OuterOptimizer:
                 raise ValueError(f"{key}: holds NaN or infinite values")
             loaded[index] = tensor
         if not loaded:
-            self.reset_momentum()
+            if not validate_only:
+                self.reset_momentum()
             return
         if self._momentum == 0.0:
             raise ValueError("momentum state given to an outer optimizer without momentum (momentum=0)")
@@ -211,9 +216,17 @@ class OuterOptimizer:
             raise ValueError(
                 f"outer state lacks momentum for anchors {missing[:8]}{'...' if len(missing) > 8 else ''}"
             )
+        if validate_only:
+            return
+        kept = self.momentum_buffers()
         self._sgd.state.clear()
         for index, anchor in enumerate(self._anchors):
-            self._sgd.state[anchor]["momentum_buffer"] = loaded[index].to(device=anchor.device, copy=True)
+            buffer = kept[index]
+            if buffer is not None and buffer.data_ptr() != loaded[index].data_ptr():
+                buffer.copy_(loaded[index])
+            elif buffer is None:
+                buffer = loaded[index].to(device=anchor.device, copy=not take)
+            self._sgd.state[anchor]["momentum_buffer"] = buffer
         logger.debug("loaded outer momentum for %d anchors", len(self._anchors))
 
     @torch.no_grad()

@@ -26,7 +26,7 @@ from p2p_diloco.core.codecs import ErrorFeedback, get_codec
 from p2p_diloco.core.delayed import RoundAggregate, StalenessPolicy, apply_round
 from p2p_diloco.core.eager import EagerOuterStep
 from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch
-from p2p_diloco.core.outer import OuterOptimizer, make_anchors
+from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX, OuterOptimizer, make_anchors
 from p2p_diloco.core.pseudograd import pseudo_gradient
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,11 @@ class OuterState:
         self.outer.copy_to(params)
 
     @torch.no_grad()
-    def pseudo_gradient(self, params: Sequence[Tensor]) -> list[Tensor]:
-        """Δ = anchors − params, into buffers reused across rounds (copy it to keep it)."""
+    def pseudo_gradient(self, params: Sequence[Tensor], out: list[Tensor] | None = None) -> list[Tensor]:
+        """Δ = anchors − params, into ``out`` (e.g. the averager's shared buffer) when given, otherwise into
+        buffers reused across rounds (copy it to keep it)."""
+        if out is not None:
+            return pseudo_gradient(self.anchors, params, out=out)
         self._delta = pseudo_gradient(self.anchors, params, out=self._delta)
         return self._delta
 
@@ -120,15 +123,26 @@ class OuterState:
         if params is not None:
             self.outer.copy_to(params)
 
-    def state_tensors(self) -> dict[str, Tensor]:
-        """Anchors (``param.{i}``), momentum and eager state as CPU tensors, for safetensors."""
+    def state_tensors(self, *, copy: bool = True) -> dict[str, Tensor]:
+        """Anchors (``param.{i}``), momentum and eager state as CPU tensors, for safetensors.
+
+        ``copy=False`` returns the live CPU tensors themselves (anchors and momentum live on the CPU in a
+        swarm peer): no model-sized copy, but the caller must finish with them before the next change (the
+        background checkpoint writer does, see ``peer.resume``)."""
+        if not copy and all(a.device.type == "cpu" for a in self.anchors):
+            out = {f"{ANCHOR_KEY_PREFIX}{i}": a.detach() for i, a in enumerate(self.anchors)}
+            for i, buffer in enumerate(self.outer.momentum_buffers()):
+                if buffer is not None:
+                    out[f"{MOMENTUM_KEY_PREFIX}{i}"] = buffer.detach()
+            out.update(self.eager.state_tensors())
+            return out
         out = {f"{ANCHOR_KEY_PREFIX}{i}": a.detach().to("cpu", copy=True) for i, a in enumerate(self.anchors)}
         out.update(self.outer.state_tensors())
         out.update(self.eager.state_tensors())
         return out
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: Mapping[str, Tensor], epoch: int) -> None:
+    def load_state_tensors(self, tensors: Mapping[str, Tensor], epoch: int, *, take: bool = False) -> None:
         """Replace anchors, momentum and eager state (from a checkpoint or a verified download).
 
         Validates everything before changing anything. Error-feedback residuals are dropped: they
@@ -151,13 +165,12 @@ class OuterState:
             raise ValueError(f"state has {extra} more parameter tensors than this model")
         if not plausible_epoch(epoch):
             raise ValueError(f"epoch must be an integer within [0, {EPOCH_LIMIT}], got {epoch!r}")
-        # Validate the optimizer parts on a throwaway optimizer first, so a bad state changes nothing.
-        probe = OuterOptimizer([a.clone() for a in self.anchors], lr=self.outer.lr, momentum=self.outer.momentum)
-        probe.load_state_tensors(tensors)
+        # Validate the optimizer parts first (no copies), so a bad state changes nothing.
+        self.outer.load_state_tensors(tensors, validate_only=True)
         EagerOuterStep().load_state_tensors(tensors, like=self.anchors)
         for a, t in zip(self.anchors, anchors, strict=True):
             a.copy_(t)
-        self.outer.load_state_tensors(tensors)
+        self.outer.load_state_tensors(tensors, take=take)
         self.eager.load_state_tensors(tensors, like=self.anchors)
         if self.feedback is not None:
             self.feedback.reset()

@@ -63,7 +63,12 @@ def pseudo_gradient(
     for a, c, o in zip(anchor, current, out, strict=True):
         # copy_ converts dtype and device in one pass; the subtraction then runs in place on `o`.
         o.copy_(c.detach())
-        torch.sub(a.detach().to(device=o.device, dtype=torch.float32), o, out=o)
+        start = a.detach()
+        if c.dtype != torch.float32 and c.is_floating_point():
+            # Low-precision weights (bf16 on a GPU) started the round from the anchor rounded to their dtype:
+            # measure from that start, or the rounding itself would be sent as work every round.
+            start = start.to(c.dtype)
+        torch.sub(start.to(device=o.device, dtype=torch.float32), o, out=o)
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 
 from p2p_diloco.core.delayed import Contribution, RoundAggregate, aggregate_round, summarize_round
 from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.core.pseudograd import pseudo_gradient
 from p2p_diloco.core.rounds import (
     Action,
     Observation,
@@ -95,6 +96,14 @@ class RoundPort(Protocol):
     def discard(self, why: str) -> None:
         """Eager only: forget the background round's result (it belongs to a state we left)."""
 
+    def delta_buffers(self) -> list[torch.Tensor] | None:
+        """Where to write this round's pseudo-gradient so that :meth:`average` sends it without a copy (the
+        swarm's shared averaging buffer), or None for buffers of the driver's own. Valid until ``average``."""
+
+    def withdraw(self) -> None:
+        """The anchors are about to change: stop serving them (and let a checkpoint being written from them
+        finish first)."""
+
 
 def own_share(result: RoundResult, peer_id: str) -> float:
     """This peer's weight fraction in ``result``'s fresh mean (the eager rule's own-term factor)."""
@@ -145,7 +154,11 @@ class RoundDriver:
         """Run the round's decisions; fills ``report`` (outcome, group, timings, new epoch) and returns it."""
         epoch = self.state.epoch
         weight = self.pending.weight_for(samples)
-        delta = [t.clone() for t in self.state.pseudo_gradient(self.params)]
+        buffers = None if self.policy.eager else self.port.delta_buffers()
+        # Into the averager's buffer when the port has one (no copy on the way to the all-reduce); otherwise
+        # new tensors (the state's reused buffer may still be referenced by the eager overlap).
+        delta = (self.state.pseudo_gradient(self.params, out=buffers) if buffers is not None
+                 else pseudo_gradient(self.state.anchors, self.params))
         seen = self.port.observe(epoch)
         if self.policy.wants_checksum_vote(seen):
             seen = dataclasses.replace(seen, minority=self.port.in_minority(epoch))
@@ -221,6 +234,7 @@ class RoundDriver:
         stale, stale_weight, staleness = self.pending.late_term(epoch, self.policy.staleness)
         result = got.result
         share = own_share(result, self.peer_id) if result is not None else 0.0
+        self.port.withdraw()
         if result is not None and self.state.eager.has_previous and share > 0.0:
             self.state.apply_eager(delta, group_average(result), result.group_size, self.params, own_share=share)
             report.outcome = Outcome.FOLDED_LATE if got.folded_stale else Outcome.AVERAGED
@@ -240,6 +254,7 @@ class RoundDriver:
                 f"the work of epoch {epoch} was not sent: the previous all-reduce still runs")
 
     def _apply(self, aggregate: RoundAggregate) -> None:
+        self.port.withdraw()
         self.state.apply(aggregate, self.params)
         self.pending.applied()
         self.port.published(self.state.epoch)
@@ -252,9 +267,16 @@ class RoundDriver:
         Stashing first would restart every round from the old anchors and keep only the last one's work.
         """
         origin = self.state.epoch
+        # Anchors minus params again rather than ``delta``: delta may live in the averager's buffer, which a
+        # failed all-reduce overwrote; the parameters still hold this phase's (and any carried) work. It goes
+        # into that idle buffer while the download runs (the downloaded state does not meet a fourth
+        # model-sized tensor there), and is copied out once the state is loaded.
+        buffers = None if self.policy.eager else self.port.delta_buffers()
+        late = (self.state.pseudo_gradient(self.params, out=buffers) if buffers is not None
+                else pseudo_gradient(self.state.anchors, self.params))
         if not self.port.resync(min_epoch):
             self.pending.carry(weight)
             return Outcome.SKIPPED
         self.new_state()
-        self.pending.stash_late(delta, weight, origin)
+        self.pending.stash_late([t.clone() for t in late] if buffers is not None else late, weight, origin)
         return Outcome.RESYNCED

@@ -330,6 +330,9 @@ class RoundReport:
     blocked_seconds: float = 0.0
     """How long training waited for the network this round (the whole all-reduce when blocking; with eager
     overlap only the wait for the previous round's background all-reduce)."""
+    overhead_seconds: float = 0.0
+    """Seconds the round spent on this peer outside the inner steps and the network: pseudo-gradient, outer
+    step, hashing, waiting for a checkpoint write (what grows with the model and nothing else)."""
 
     def __post_init__(self) -> None:
         self.outcome = Outcome(self.outcome)  # also from its value, e.g. a JSON line read back

@@ -22,6 +22,8 @@ count the whole node. A rank that fails a collective raises :class:`NodeError`; 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from p2p_diloco.core.rounds import Outcome, RoundReport
@@ -124,15 +126,32 @@ class NodeSession:
         self.lead.load_state_dict(state)
         self._resume_positions = positions
 
-    def state_dict(self) -> dict[str, Any]:
-        """Collective: rank 0's session state plus every other rank's data position; ``{}`` on other ranks."""
+    def _other_positions(self) -> list[dict[str, int]]:
+        """Collective: the data positions of ranks 1..N-1 (every rank gets them)."""
         position = self._stream.position if self._stream is not None else (self.data_position or DataPosition())
         rows = self.group.all_gather_floats([position.walk, position.row], "gathering the data positions")
+        return [{"walk": int(w), "row": int(r)} for w, r in rows[1:]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: rank 0's session state plus every other rank's data position; ``{}`` on other ranks."""
+        positions = self._other_positions()
         if self.lead is None:
             return {}
         state = self.lead.state_dict()
-        state["node_data_positions"] = [{"walk": int(w), "row": int(r)} for w, r in rows[1:]]
+        state["node_data_positions"] = positions
         return state
+
+    def save_in_background(self, write: Callable[[dict[str, Any]], None]) -> threading.Thread | None:
+        """Collective: rank 0 runs ``write`` on its session's state (``SwarmSession.save_in_background``, from
+        the live anchors) with the other ranks' data positions added; the other ranks only gather."""
+        positions = self._other_positions()
+        if self.lead is None:
+            return None
+
+        def write_node(state: dict[str, Any]) -> None:
+            write({**state, "node_data_positions": positions})
+
+        return self.lead.save_in_background(write_node)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -9,9 +9,11 @@ this peer saw (its completed rounds, its downloads, the failed ones).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from p2p_diloco.core.rounds import Observation, RoundResult
 from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import FaultHooks
 from p2p_diloco.peer.report import SessionListener
-from p2p_diloco.swarm.checksum import state_sha256
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT
 from p2p_diloco.swarm.records import PeerProgress
@@ -48,6 +50,16 @@ class SwarmPort:
         self.last_seen_others: float | None = None
         self.late_start_s = 0.0
         """Seconds the last state download took (the next phase is shortened by that much; see DyLU)."""
+        self.sha: str | None = None
+        """The anchors' sha256 as served now (None while they change): hashed once per new state."""
+        self.state_sha: str | None = None
+        """``checksum.state_sha256`` of anchors and momentum as served now (None while they change)."""
+        self.writer: threading.Thread | None = None
+        """A checkpoint being written from the live anchors (``peer.resume.CheckpointWriter``)."""
+        self._zeros: list[torch.Tensor] | None = None
+        self.network_s = 0.0
+        """Seconds spent in calls that talk to the swarm since the session last reset it (the round's
+        overhead is the rest of ``end_round``)."""
 
     def start(self) -> None:
         self.evidence.me = self.swarm.peer_id
@@ -57,6 +69,16 @@ class SwarmPort:
     def close(self, timeout: float) -> None:
         if self.overlap is not None:
             self.overlap.close(timeout=timeout)
+        self.wait_writer()
+
+    def wait_writer(self) -> None:
+        """Let a checkpoint being written from the live anchors finish (before they change)."""
+        if self.writer is not None:
+            began = time.monotonic()
+            self.writer.join()
+            if time.monotonic() - began > 1.0:
+                logger.info("Waited %.1f s for the checkpoint being written", time.monotonic() - began)
+            self.writer = None
 
     def notify(self, method: str, *args: Any) -> None:
         for listener in self.listeners:
@@ -92,16 +114,26 @@ class SwarmPort:
         self.records()
         return self.evidence.swarm_epoch(self.claims)
 
+    @contextlib.contextmanager
+    def _network(self) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.network_s += time.monotonic() - began
+
     def observe(self, epoch: int) -> Observation:
-        swarm_epoch = self.swarm_epoch()
+        with self._network():
+            swarm_epoch = self.swarm_epoch()
         unseen = None if self.last_seen_others is None else time.monotonic() - self.last_seen_others
         return Observation(epoch, swarm_epoch, self.peers_visible, unseen_s=unseen)
 
     def in_minority(self, epoch: int) -> bool:
         """Peers this one trusts (averaged with, or ``--trusted-peers``) published, by strict majority,
         another digest of parameters and momentum for ``epoch``; other ids' votes do not count."""
-        votes = self.evidence.trusted_votes(self.swarm.checksum_votes(epoch))
-        return outvoted(votes, state_sha256(self.state.anchors, self._momentum()))
+        with self._network():
+            votes = self.evidence.trusted_votes(self.swarm.checksum_votes(epoch))
+        return outvoted(votes, self.state_digest())
 
     def averaging(self, epoch: int) -> None:
         self.notify("status", "averaging", epoch)
@@ -112,7 +144,9 @@ class SwarmPort:
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
         weight, stale_weight = self._capped(weight), self._capped(stale_weight)
-        result = self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight)
+        # the fresh mean stays in the averager's buffer: the driver applies it before the next round
+        with self._network():
+            result = self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight, copy_out=False)
         self.saw(result)
         return result
 
@@ -136,22 +170,32 @@ class SwarmPort:
     def resync(self, min_epoch: int, timeout: float | None = None) -> bool:
         self.notify("status", "syncing", min_epoch)
         began = time.monotonic()
-        state = self.swarm.download(self.state.anchors, min_epoch, timeout, trusted=self.trusted_or_none())
+        # A peer that is behind has nothing worth serving (joiners refuse states older than the swarm's): stop
+        # serving before the download, and drop the zeros kept for serving, so that the downloaded state does
+        # not sit beside them.
+        known = self.sha
+        self.withdraw()
+        self._zeros = None
+        with self._network():
+            state = self.swarm.download(self.state.anchors, min_epoch, timeout, trusted=self.trusted_or_none())
         self.notify("state_transfer", "received", state is not None)
         if state is None:
             ignored = self.evidence.unbacked(self.claims, min_epoch)
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours%s", min_epoch,
                            f"; ignoring the epoch claims of {len(ignored)} untrusted peer(s) for "
                            f"{min(ignored.values()):.0f} s or more" if ignored else "")
+            self.serve(checksum=False, sha=known)
             return False
         self.evidence.adopted_from(state.donor)
         tensors = {f"param.{i}": t for i, t in enumerate(state.params)}
         if self.state.outer.momentum > 0:
             # Donors always serve a momentum (zeros when they have none); without momentum there is none to load.
             tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
-        self.state.load_state_tensors(tensors, state.epoch)
+        self.state.load_state_tensors(tensors, state.epoch, take=True)  # the downloaded momentum becomes ours
+        del tensors
+        state.params, state.opt_tensors = [], []  # the downloaded copy goes now, not when resync returns
         self.state.begin(self.params)
-        self.serve(checksum=False)
+        self.serve(checksum=False, sha=state.params_sha256)  # the download was verified against this hash
         self.late_start_s = time.monotonic() - began
         logger.info("Synchronised to epoch %d from %s", state.epoch, state.donor)
         return True
@@ -161,7 +205,8 @@ class SwarmPort:
         self.serve(checksum=not self.eager)
 
     def collect(self, epoch: int, timeout: float) -> Collected:
-        got = self.overlap.collect(epoch, timeout)
+        with self._network():
+            got = self.overlap.collect(epoch, timeout)
         self.saw(got.result)
         return got
 
@@ -174,13 +219,46 @@ class SwarmPort:
         if self.overlap is not None:
             self.overlap.discard(why)
 
+    def delta_buffers(self) -> list[torch.Tensor] | None:
+        return None if self.eager else self.swarm.fresh_buffers()
+
+    def withdraw(self) -> None:
+        self.wait_writer()
+        with self._network():  # waits only for downloads being served
+            self.swarm.withdraw()
+        self.sha = self.state_sha = None
+
     # ------------------------------------------------------------------ state
 
-    def serve(self, *, checksum: bool) -> None:
-        """Serve the current anchors and momentum to joiners (and publish their checksum if asked)."""
-        self.swarm.serve(self.state.anchors, self._momentum(), self.state.epoch, checksum=checksum)
+    def serve(self, *, checksum: bool, sha: str | None = None) -> None:
+        """Serve the current anchors and momentum to joiners (and publish their checksum if asked). The anchors
+        are hashed here, once per state (``sha`` when already known, e.g. a verified download's); the digest
+        peers compare adds one pass over the momentum (``checksum.state_sha256``)."""
+        momentum = self._momentum()
+        self.sha = sha if sha is not None else params_sha256(self.state.anchors)  # the round's one hash pass
+        with self._network():
+            self.state_sha = self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum,
+                                              sha=self.sha)
 
     def _momentum(self) -> list[torch.Tensor]:
-        """The outer momentum as served and checksummed: zeros where the optimizer keeps none."""
-        return [m if m is not None else torch.zeros_like(a)
-                for m, a in zip(self.state.outer.momentum_buffers(), self.state.anchors, strict=True)]
+        """The outer momentum as served and checksummed: zeros where the optimizer keeps none (before the
+        first outer step, or FedAvg), allocated once."""
+        buffers = self.state.outer.momentum_buffers()
+        if all(m is not None for m in buffers):
+            self._zeros = None
+            return list(buffers)
+        if self._zeros is None:
+            self._zeros = [torch.zeros_like(a) for a in self.state.anchors]
+        return [m if m is not None else z for m, z in zip(buffers, self._zeros, strict=True)]
+
+    def anchors_sha(self) -> str:
+        """The anchors' sha256 (hashed when they were last served)."""
+        if self.sha is None:
+            self.sha = params_sha256(self.state.anchors)
+        return self.sha
+
+    def state_digest(self) -> str:
+        """The digest of anchors and momentum that peers publish and compare (computed when last served)."""
+        if self.state_sha is None:
+            self.state_sha = state_sha256(self.state.anchors, self._momentum(), params_sha=self.anchors_sha())
+        return self.state_sha

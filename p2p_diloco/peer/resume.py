@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.checkpoint import Checkpoint, CheckpointError, save_checkpoint
@@ -25,26 +26,38 @@ def state_dict_of(ck: Checkpoint) -> dict[str, Any]:
             "node_data_positions": ck.manifest.get("node_data_positions", [])}
 
 
-def save_session(session: SwarmSession | NodeSession) -> bool:
-    """Write the session's state to ``--checkpoint-dir`` (keeping ``--keep-checkpoints``); False on failure,
-    which is logged (training goes on; the previous checkpoint stays).
+def save_session(session: SwarmSession | NodeSession, on_saved: Callable[[int, float], None] | None = None) -> None:
+    """Write the session's state to ``--checkpoint-dir`` (keeping ``--keep-checkpoints``) on a background
+    thread, straight from the live anchors and momentum (``SwarmSession.save_in_background``: no host copy,
+    and the next outer step waits for the write). ``on_saved(epoch, seconds)`` runs on that thread once the
+    checkpoint is complete on disk. A failure is logged; training goes on and the previous checkpoint stays.
+    The write is atomic (``checkpoint.save_checkpoint``): a kill at any moment leaves it complete or absent.
 
     A node's session: every rank calls this (it gathers the ranks' data positions); rank 0 writes, with the
-    other ranks' positions in the manifest, and the others return False.
-    """
+    other ranks' positions in the manifest."""
     cfg = session.cfg
-    state = session.state_dict()
-    if not state:
-        return False
-    manifest = {"run_id": cfg.run.run_id, "fingerprint": session.fingerprint, "model": cfg.model.model,
-                "seq_len": cfg.model.seq_len, "data_id": state["data_id"], "data_position": state["data_position"],
-                "inner_step": state["inner_step"], "saved_at": time.time()}
-    if state.get("node_data_positions"):
-        manifest["node_data_positions"] = state["node_data_positions"]
-    try:
-        save_checkpoint(cfg.run.checkpoint_dir, state["epoch"], state["outer"], manifest,
-                        keep=cfg.run.keep_checkpoints)
-    except CheckpointError as e:
-        logger.error("%s", e)
-        return False
-    return True
+
+    def write(state: dict[str, Any]) -> None:
+        began = time.monotonic()
+        manifest = {"run_id": cfg.run.run_id, "fingerprint": session.fingerprint, "model": cfg.model.model,
+                    "seq_len": cfg.model.seq_len, "data_id": state["data_id"],
+                    "data_position": state["data_position"], "inner_step": state["inner_step"],
+                    "saved_at": time.time()}
+        if state.get("node_data_positions"):
+            manifest["node_data_positions"] = state["node_data_positions"]
+        try:
+            save_checkpoint(cfg.run.checkpoint_dir, state["epoch"], state["outer"], manifest,
+                            keep=cfg.run.keep_checkpoints)
+        except CheckpointError as e:
+            logger.error("%s", e)
+            return
+        except Exception:  # noqa: BLE001 - a background write must never take the peer down
+            logger.exception("Checkpoint of epoch %d failed", state["epoch"])
+            return
+        if on_saved is not None:
+            try:
+                on_saved(state["epoch"], time.monotonic() - began)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_saved failed")
+
+    session.save_in_background(write)

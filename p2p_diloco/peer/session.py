@@ -16,7 +16,7 @@ metrics; ``tests/unit/test_session_contract.py`` checks that each line below is 
         stats = trainer.train_steps(steps, session.on_inner_step)
         report = session.end_round(stats)          # the round policy; params updated in place
         if cfg.run.checkpoint_dir and session.rounds_done % cfg.run.checkpoint_every == 0:
-            if save_session(session) and metrics:  # session.state_dict() on disk (peer/resume.py)
+            save_session(session, on_saved)        # in the background, from the live state (peer/resume.py)
     session.close()
 
 What a round does is the round policy's (:mod:`p2p_diloco.core.rounds`, executed by
@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -50,7 +52,7 @@ from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
-from p2p_diloco.swarm import SwarmStartError, params_sha256
+from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.trainer import InnerStats
@@ -123,7 +125,7 @@ class SwarmSession:
 
     def params_sha256(self) -> str:
         """The sha256 of the anchors (what peers compare in the checksum vote)."""
-        return params_sha256(self.state.anchors)
+        return self.port.anchors_sha()
 
     @property
     def served_downloads(self) -> int:
@@ -136,12 +138,26 @@ class SwarmSession:
         """The training data stream, whose position :meth:`state_dict` saves."""
         self._stream = stream
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """Everything a restart needs: the outer state (anchors, momentum, eager term) and its epoch, the inner
-        step and the data stream's position. Late or carried work is not kept (a restart re-trains it)."""
+        step and the data stream's position. Late or carried work is not kept (a restart re-trains it).
+        ``copy=False``: the live anchors and momentum, no copy (see :meth:`save_in_background`)."""
         position = self._stream.position if self._stream is not None else self.data_position
-        return {"epoch": self.epoch, "outer": self.state.state_tensors(), "inner_step": self.inner_step,
+        return {"epoch": self.epoch, "outer": self.state.state_tensors(copy=copy), "inner_step": self.inner_step,
                 "data_id": self.data_id, "data_position": (position or DataPosition()).as_dict()}
+
+    def save_in_background(self, write: Callable[[dict[str, Any]], None]) -> threading.Thread:
+        """Run ``write(state_dict)`` on a background thread, from the live anchors and momentum (no copy).
+
+        The state dict is taken now; the anchors do not change until the next outer step or state download,
+        and those wait for ``write`` to finish first, so what it writes is one consistent state. A previous
+        write still running is waited for first. ``write`` must not raise (log instead)."""
+        self.port.wait_writer()
+        state = self.state_dict(copy=False)
+        thread = threading.Thread(target=write, args=(state,), name="checkpoint-writer", daemon=True)
+        thread.start()
+        self.port.writer = thread
+        return thread
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`'s output (before :meth:`start`); ``ValueError`` names what is wrong."""
@@ -268,8 +284,10 @@ class SwarmSession:
             self._last_rates = (stats.steps_per_second, stats.samples / stats.seconds, stats.tokens_per_second)
         report = RoundReport(epoch=self.epoch, inner_steps=stats.steps, inner_seconds=stats.seconds,
                              train_loss=stats.mean_loss)
+        began, self.port.network_s = time.monotonic(), 0.0
         self.driver.end(float(stats.samples), report, stats.seconds)
         report.params_sha256 = self.params_sha256()
+        report.overhead_seconds = max(0.0, time.monotonic() - began - self.port.network_s)
         self._publish_progress()
         report.rejected_records, report.record_bans = self.swarm.take_record_report()
         self.port.notify("round", report, stats)

@@ -231,6 +231,12 @@ class SimPort:
     def discard(self, why: str) -> None:
         pass
 
+    def delta_buffers(self) -> list[torch.Tensor] | None:
+        return None  # in-process: the driver's own buffers
+
+    def withdraw(self) -> None:
+        pass  # nothing is served from the simulator's anchors
+
 
 class SwarmSimulation:
     """``sim.workers`` workers driving the round policy for ``sim.rounds`` rounds under ``faults``.

@@ -108,8 +108,11 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
       the size of the weighted mean, so relative-error codecs (fp16, 8-bit) behave as on plain gradients.
     :param fault_hook: test-only, see ``runner.FaultHook``.
 
-    Memory: two shared-memory buffers the size of ``template`` (fresh and stale), plus a copy of the result
-    per round. Only one ``average`` call may run at a time.
+    Memory: one shared-memory buffer the size of ``template`` (the fresh pseudo-gradient; write it there
+    directly with :meth:`fresh_buffers` to save a copy). A round that folds late work creates a second one for
+    that round only (in shared memory, dropped when the caller drops the result's ``stale_term``).
+    ``average(..., copy_out=False)`` returns views of the shared buffer instead of a copy. Only one
+    ``average`` call may run at a time.
     """
 
     def __init__(
@@ -132,7 +135,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         self.cfg, self.fingerprint = cfg, fingerprint
         self.num_tensors = len(template)
         self._layout = [(tuple(t.shape), t.dtype) for t in template]
-        buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout * 2]
+        buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
         self._fault_hook: FaultHook = fault_hook or no_faults
         self._tolerance = wire_norm_tolerance(compression if compression is not None else NoCompression())
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
@@ -147,6 +150,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             next_chunk_timeout_s=cfg.next_chunk_timeout_s,
             adaptive=cfg.adaptive_deadlines,
         )
+        self.init_state_sharing()
         super().__init__(
             buffers,
             dht,
@@ -193,6 +197,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         stale: Sequence[torch.Tensor] | None = None,
         stale_weight: float = 0.0,
         due: Collection[str] = (),
+        copy_out: bool = True,
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
         ``matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s`` (plus a few seconds; the
@@ -208,6 +213,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         :param due: base58 ids of the peers verified due in this round (``quorum.due_peers`` of the signed
           progress records); when this peer leads and all of them joined, the group forms before the
           ``matchmaking_time_s`` window ends. Empty: the window decides.
+        :param copy_out: return the fresh mean as a copy. ``False`` returns views of the shared buffer, valid
+          until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
+          model-sized copy per round).
         """
         if fresh is not None:
             self._check_tensors("fresh", fresh)
@@ -237,15 +245,15 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             if buffers is None:
                 return RoundResult(Outcome.SKIPPED, "the averaging buffers stayed busy (a previous round still runs)", epoch
                 )
-            for source, target in (
-                (fresh if has_fresh else None, buffers[: self.num_tensors]),
-                (stale if has_stale else None, buffers[self.num_tensors :]),
-            ):
-                for src, dst in zip(source or (), target, strict=False):
+            for src, dst in zip(fresh if has_fresh else (), buffers, strict=False):
+                if src.data_ptr() != dst.data_ptr():  # written in place through fresh_buffers(): no copy
                     dst.copy_(src.detach())
+        # The late work's buffer exists for this round only; the averager process maps it (shared memory).
+        stale_shared = [src.detach().to("cpu", copy=True).share_memory_() for src in stale] if has_stale else None
         try:
             deadlines = self.deadlines.next_round()
-            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info), tuple(due), deadlines)
+            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info), tuple(due), deadlines,
+                                       stale_shared)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
@@ -255,6 +263,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"round failed: {e!r}", epoch)
+        finally:
+            del stale_shared
         result.window_s, result.allreduce_deadline_s = deadlines.window_s, deadlines.allreduce_s
         self.deadlines.observe(
             deadlines,
@@ -265,7 +275,15 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             allreduce_s=result.allreduce_seconds if result.averaged else None,
             allreduce_timed_out=result.timed_out,
         )
-        return self._make_result(result, epoch, budget)
+        return self._make_result(result, epoch, budget, copy_out)
+
+    @contextlib.contextmanager
+    def fresh_buffers(self, timeout: float = 0.0) -> Iterator[list[torch.Tensor] | None]:
+        """The shared fresh buffers, locked, to write this round's pseudo-gradient into; then pass them to
+        :meth:`average` as ``fresh`` (no copy is made). ``None`` when a round still holds them after
+        ``timeout`` seconds (write the pseudo-gradient elsewhere then)."""
+        with self._locked_buffers(timeout) as buffers:
+            yield None if buffers is None else list(buffers[: self.num_tensors])
 
     def ban(self, peer_id: str, reason: str) -> MPFuture:
         """Ban ``peer_id`` for the rest of the run in the averager process, where matchmaking, the all-reduce
@@ -293,9 +311,10 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         finally:
             self.lock_averaged_tensors.release()
 
-    def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...], deadlines: RoundDeadlines) -> StepControl:
+    def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...], deadlines: RoundDeadlines,
+                    stale: list[torch.Tensor] | None = None) -> StepControl:
         """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round; the
-        window and the all-reduce deadline are this round's ``deadlines``."""
+        window and the all-reduce deadline are this round's ``deadlines``, ``stale`` the round's late work."""
         now = get_dht_time()
         control = StepControl(
             scheduled_time=now + deadlines.window_s,
@@ -306,7 +325,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         )
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due,
-                                                 allreduce_timeout=deadlines.allreduce_s)))
+                                                 allreduce_timeout=deadlines.allreduce_s, stale=stale)))
         try:
             trigger, cancel = future_for_init.result(timeout=self.cfg.startup_timeout_s)
         except BaseException:
@@ -322,8 +341,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         control.allow_allreduce()
         return control
 
-    def _make_result(self, result: RoundResult, epoch: int, timeout: float) -> RoundResult:
-        """The averager process's result, for ``epoch``, with the averaged buffers read back if it averaged."""
+    def _make_result(self, result: RoundResult, epoch: int, timeout: float, copy_out: bool = True) -> RoundResult:
+        """The averager process's result, for ``epoch``, with the averaged buffers read back if it averaged.
+        The stale term (if any) came back inside the result: the round's own shared buffer, no copy."""
         result.epoch = epoch
         if result.refused:
             logger.warning("Round %d: refused group members: %s", epoch, "; ".join(result.refused))
@@ -335,9 +355,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         with self._locked_buffers(timeout) as buffers:
             if buffers is None:
                 return result.skip("could not read the averaged buffers back")
-            result.fresh_mean = [t.clone() for t in buffers[: self.num_tensors]]
-            if result.with_stale:
-                result.stale_term = [t.clone() for t in buffers[self.num_tensors :]]
+            result.fresh_mean = [t.clone() if copy_out else t for t in buffers[: self.num_tensors]]
+        if result.with_stale and (result.stale_term is None or len(result.stale_term) != self.num_tensors):
+            return result.skip("the averager process returned no stale term")
         if not all(bool(torch.isfinite(t).all()) for t in result.fresh_mean + (result.stale_term or [])):
             # every member validates its own input, so this means a member sent NaN or inf on purpose
             result.skip("the aggregate holds NaN or infinite values")
@@ -346,7 +366,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
     # ------------------------------------------------------ averager process side
 
     async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = (),
-                    allreduce_timeout: float | None = None) -> None:
+                    allreduce_timeout: float | None = None, stale: list[torch.Tensor] | None = None) -> None:
         """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
@@ -393,7 +413,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                 result = RoundResult(Outcome.SKIPPED, "round interrupted")
                 try:
                     await asyncio.wait_for(
-                        self._aggregate_with_group(group_info, result, **self.allreduce_kwargs),
+                        self._aggregate_with_group(group_info, result, stale=stale, **self.allreduce_kwargs),
                         allreduce_timeout or self._allreduce_timeout,
                     )
                 except asyncio.TimeoutError:
@@ -420,10 +440,15 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
                 step.set_result(RoundResult(Outcome.SKIPPED, "round interrupted"))
 
     async def _aggregate_with_group(
-        self, group_info: GroupInfo, result: RoundResult, min_vector_size: int, **kwargs: Any
+        self, group_info: GroupInfo, result: RoundResult, min_vector_size: int,
+        stale: list[torch.Tensor] | None = None, **kwargs: Any
     ) -> RoundResult:
         """The round in a formed group; ``result`` is filled as it goes, so a round cut off by the caller's
-        timeout still names its group. It ends ``AVERAGED`` only when every member confirmed."""
+        timeout still names its group. It ends ``AVERAGED`` only when every member confirmed.
+
+        ``stale`` is the host's late work for this round (shared memory), or None: a member without late work
+        still takes part in a fresh+stale round, with zeros it allocates here for this round only. The
+        averaged stale region goes back to the host inside the result (``stale_term``)."""
         began = time.monotonic()
         plan = plan_group(
             group_info.peer_ids,
@@ -457,7 +482,9 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         async with enter_asynchronously(self.get_tensors()) as buffers:
             tensors = list(buffers[: self.num_tensors])
             if plan.with_stale:
-                tensors += buffers[self.num_tensors :]
+                if stale is None or len(stale) != self.num_tensors:
+                    stale = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
+                tensors += stale
             with torch.no_grad():
                 for i, tensor in enumerate(tensors):
                     scale = fresh_scale if i < self.num_tensors else stale_scale
@@ -500,6 +527,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         if not confirmed:
             return result.skip(detail)
         result.outcome, result.reason = Outcome.AVERAGED, ""
+        if plan.with_stale:
+            result.stale_term = list(stale)
         return result
 
     def _runner_factory(

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 _PARAMS_DOMAIN = b"p2p_diloco.params_sha256.v1"
+_STATE_DOMAIN = b"p2p_diloco.state_sha256.v2"
 _LAYOUT_DOMAIN = b"p2p_diloco.layout_fingerprint.v1"
 
 
@@ -58,8 +59,14 @@ def layout_fingerprint(tensors: Sequence[torch.Tensor], extra: str = "") -> str:
     return digest.hexdigest()[:16]
 
 
-def state_sha256(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> str:
-    """The digest peers publish and donors serve: ``params_sha256`` over the parameters followed by the outer
-    momentum (zeros when the outer optimizer keeps none), so a donor cannot pair honest parameters with a
-    hostile momentum. Synchronised peers hold both bitwise equal: the same outer step on the same inputs."""
-    return params_sha256([*params, *momentum])
+def state_sha256(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], *,
+                 params_sha: str | None = None) -> str:
+    """The digest peers publish and donors serve: SHA-256 over ``params_sha256`` of the parameters and
+    ``params_sha256`` of the outer momentum (zeros when the outer optimizer keeps none), so a donor cannot
+    pair honest parameters with a hostile momentum. Synchronised peers hold both bitwise equal: the same outer
+    step on the same inputs. Built from the two digests so that a caller that hashed the parameters already
+    (``params_sha``, the round's one pass over them) adds only the momentum's pass."""
+    digest = hashlib.sha256(_STATE_DOMAIN)
+    digest.update(bytes.fromhex(params_sha if params_sha is not None else params_sha256(params)))
+    digest.update(bytes.fromhex(params_sha256(momentum)))
+    return digest.hexdigest()

@@ -135,26 +135,43 @@ class Swarm:
     # ------------------------------------------------------------------ state
 
     def serve(self, anchors: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], epoch: int,
-              *, checksum: bool) -> None:
-        """Serve the state of ``epoch`` to joiners; publish its checksum too when ``checksum``."""
-        sha = self.server.publish(anchors, momentum, epoch)
+              *, checksum: bool, sha: str | None = None) -> str:
+        """Serve the state of ``epoch`` to joiners (the tensors themselves, no copy: call :meth:`withdraw`
+        before changing them); publish its checksum too when ``checksum``. Returns its digest
+        (``checksum.state_sha256``; ``sha``: the anchors' sha256 when the caller hashed them already)."""
+        sha = self.server.publish(anchors, momentum, epoch, sha)
         if not checksum:
-            return
+            return sha
         try:
             publish_checksum(self.dht, self.cfg.run_id, epoch, sha, ttl_s=self.cfg.checksum_ttl_s)
         except ValueError as e:
             logger.warning("Could not publish the checksum of epoch %d: %s", epoch, e)
+        return sha
+
+    def withdraw(self) -> None:
+        """The served state is about to change; downloads in flight end first (at most
+        ``state_download_timeout_s``, a joiner's own limit)."""
+        if self.server is not None:
+            self.server.withdraw(self.cfg.state_download_timeout_s)
+
+    def fresh_buffers(self) -> list[torch.Tensor] | None:
+        """The averager's shared fresh buffers, to write a pseudo-gradient into (None while a round holds
+        them); pass them to :meth:`average` as ``delta`` and no copy is made."""
+        with self.averager.fresh_buffers(0.0) as buffers:
+            return buffers
 
     def download(self, templates: Sequence[torch.Tensor], min_epoch: int, timeout: float | None = None,
                  trusted: frozenset[str] | None = None) -> SwarmState | None:
         """The swarm's verified state of ``min_epoch`` or newer (parameters and momentum), or None;
         ``trusted`` as in ``state.download_state``."""
-        return download_state(self.averager, templates, [torch.zeros_like(t) for t in templates],
-                              min_epoch=min_epoch, timeout=timeout, trusted=trusted)
+        # the momentum has the anchors' shapes and dtypes: the templates serve twice (only those are read)
+        return download_state(self.averager, templates, templates, min_epoch=min_epoch, timeout=timeout,
+                              trusted=trusted)
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
-                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+                stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True) -> RoundResult:
         """One round; the group forms as soon as every peer due in it has joined. Who is due comes from the
-        records the round policy's observation just read (:meth:`records`), see ``swarm.quorum``."""
+        records the round policy's observation just read (:meth:`records`), see ``swarm.quorum``.
+        ``copy_out=False``: the fresh mean is a view of the shared buffer (see ``RoundAverager.average``)."""
         return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight,
-                                     due=due_peers(self._seen, epoch))
+                                     due=due_peers(self._seen, epoch), copy_out=copy_out)

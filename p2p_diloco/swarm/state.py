@@ -2,7 +2,11 @@
 
 Serving goes through hivemind's state protocol: a donor announces itself under ``{prefix}.all_averagers``
 with its epoch as priority, and answers ``rpc_download_state`` with msgpack metadata and protobuf tensors from
-``get_current_state`` (nothing is pickled). Downloading asks donors one at a time, highest epoch first, through
+``get_current_state`` (nothing is pickled). The donor serves its live anchors and momentum, not a copy: before
+they change (an outer step, a resync) the host withdraws them (``StateServer.withdraw``), waits for downloads
+in flight to end (at most ``state_download_timeout_s``, the joiner's own limit), and bumps a version that a
+stream checks before every message it sends, after the tensor it carries was serialized; so a download is
+either all of one epoch or cut short (the joiner then rejects it and asks the next donor). Downloading asks donors one at a time, highest epoch first, through
 the averager's own stub, and accepts a state only after checking it:
 
 - metadata: run id and model fingerprint equal ours, counts of parameter and optimizer tensors as expected;
@@ -23,18 +27,20 @@ acceptable state: start fresh if this is the first peer, otherwise wait and retr
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import math
+import multiprocessing as mp
 import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
 import torch
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, ValueWithExpiration
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -42,7 +48,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.core.evidence import EPOCH_LIMIT, state_verdict
-from p2p_diloco.swarm.checksum import state_sha256
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256
 from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_checksums, fetch_progress, global_epoch
 
 if TYPE_CHECKING:
@@ -66,6 +72,8 @@ class SwarmState:
     epoch: int
     state_sha256: str
     """``checksum.state_sha256`` of the parameters and momentum."""
+    params_sha256: str
+    """``checksum.params_sha256`` of the parameters alone (part of the above: reused, not hashed again)."""
     donor: str
     """Peer id the state came from."""
     rejected: tuple[str, ...] = ()
@@ -73,9 +81,43 @@ class SwarmState:
 
 
 class StateSharingMixin:
-    """State serving and per-donor download, mixed into ``RoundAverager`` (a hivemind averager)."""
+    """State serving and per-donor download, mixed into ``RoundAverager`` (a hivemind averager).
+
+    Call :meth:`init_state_sharing` before the averager process starts: the two counters it creates live in
+    shared memory, read and written by both processes."""
 
     _state_provider: StateProvider | None = None
+
+    def init_state_sharing(self) -> None:
+        self._state_version = mp.Value(ctypes.c_int64, 0)
+        """Bumped by the host before the served tensors change; a stream stops when it changed."""
+        self._streams_open = mp.Value(ctypes.c_int64, 0)
+        """Downloads being served right now (the host waits for them before changing the state)."""
+
+    def bump_state_version(self) -> None:
+        with self._state_version.get_lock():
+            self._state_version.value += 1
+
+    def streams_open(self) -> int:
+        return int(self._streams_open.value)
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's stream, stopped as soon as the host's state changed under it (see the module docstring)."""
+        with self._streams_open.get_lock():
+            self._streams_open.value += 1
+        try:
+            version = self._state_version.value
+            async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
+                # the tensor in ``message`` was serialized before this check: if the version still holds, the
+                # host had not started changing the state then
+                if self._state_version.value != version:
+                    logger.info("Stopped serving a state download: this peer's state changed meanwhile")
+                    return
+                yield message
+        finally:
+            with self._streams_open.get_lock():
+                self._streams_open.value -= 1
 
     def set_state_provider(self, provider: StateProvider | None) -> None:
         """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
@@ -195,48 +237,72 @@ def make_state_metadata(
 
 
 class StateServer:
-    """Serves a snapshot of this peer's state to joiners; refresh it with ``publish`` after each outer step.
+    """Serves this peer's live state to joiners: ``publish`` after each change, ``withdraw`` before the next.
 
-    The snapshot is a CPU copy taken under a lock, so training can keep changing the live tensors while a
-    joiner downloads. It costs one extra copy of parameters plus outer-optimizer state in RAM.
+    No copy is kept: the tensors served are the anchors and momentum themselves (CPU), so serving costs no
+    memory beyond hivemind's per-tensor serialization. The price: the owner must call :meth:`withdraw` before
+    changing them, which waits for downloads in flight (bounded, see the module docstring).
     """
 
     def __init__(self, averager: RoundAverager):
         self._averager = averager
         self._lock = threading.Lock()
-        self._snapshot: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self._state: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self.served = 0
-        """Snapshots handed to joiners so far. hivemind runs ``get_current_state`` in this (host) process
+        """Downloads handed the state so far. hivemind runs ``get_current_state`` in this (host) process
         (its background thread answers the averager process), so a plain counter under the lock is exact."""
+        self.waited_s = 0.0
+        """Seconds :meth:`withdraw` spent waiting for downloads in flight, in total."""
 
-    def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int) -> str:
-        """Snapshot the state of ``epoch`` and serve it; returns its digest (``checksum.state_sha256``).
+    def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int,
+                sha: str | None = None) -> str:
+        """Serve ``params`` and ``opt_tensors`` (CPU tensors, not copied) as the state of ``epoch``; returns
+        its digest (``checksum.state_sha256``). ``sha``: the parameters' sha256 when the caller hashed them
+        already (one pass over them per round; the digest then adds only the momentum's pass).
 
         A client-mode peer serves nothing: it accepts no incoming connections, so no joiner could download
-        from it, and hivemind refuses to announce its state. It keeps no snapshot either (a copy of the
-        model for nothing) and only gets the checksum back; it downloads state like any other peer.
+        from it, and hivemind refuses to announce its state. It only gets the checksum back.
         """
+        sha = sha if sha is not None else params_sha256(params)
         if self._averager.client_mode:
-            return state_sha256(params, opt_tensors)
-        params_cpu = [t.detach().to("cpu", copy=True) for t in params]
-        opt_cpu = [t.detach().to("cpu", copy=True) for t in opt_tensors]
-        sha = state_sha256(params_cpu, opt_cpu)
+            return state_sha256(params, opt_tensors, params_sha=sha)
+        tensors = [t.detach() for t in (*params, *opt_tensors)]
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ValueError("the served state must be CPU tensors (keep anchors and momentum on the CPU)")
+        sha = state_sha256(params, opt_tensors, params_sha=sha)
         cfg = self._averager.cfg
         metadata = make_state_metadata(
-            cfg.run_id, self._averager.fingerprint, int(epoch), sha, len(params_cpu), len(opt_cpu)
+            cfg.run_id, self._averager.fingerprint, int(epoch), sha, len(params), len(opt_tensors)
         )
         with self._lock:
-            self._snapshot = (metadata, params_cpu + opt_cpu)
+            self._state = (metadata, tensors)
         self._averager.state_sharing_priority = float(epoch)  # donors with newer state are asked first
         self._averager.set_state_provider(self._provide)
         return sha
 
     def _provide(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         with self._lock:
-            if self._snapshot is None:
-                raise RuntimeError("no state published yet")
+            if self._state is None:
+                raise RuntimeError("this peer's state is changing; ask another donor")
             self.served += 1
-            return self._snapshot
+            return self._state
+
+    def withdraw(self, timeout: float) -> None:
+        """The served tensors are about to change: stop handing them out, wait up to ``timeout`` s for the
+        downloads in flight to end, then make any still running stop before their next message."""
+        with self._lock:
+            self._state = None
+        if self._averager.client_mode or not self._averager.is_alive():
+            return
+        began = time.monotonic()
+        deadline = began + timeout
+        while self._averager.streams_open() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._averager.streams_open() > 0:
+            logger.warning("A state download still runs after %.0f s; cutting it off to apply the outer step",
+                           timeout)
+        self._averager.bump_state_version()
+        self.waited_s += time.monotonic() - began
 
     def stop(self) -> None:
         """Stop serving (e.g. while this peer resyncs itself)."""
@@ -334,7 +400,8 @@ def download_state(
         if problem is not None:
             return None, problem, False
         params = tensors[: len(template_params)]
-        sha = state_sha256(params, tensors[len(template_params) :])
+        params_sha = params_sha256(params)
+        sha = state_sha256(params, tensors[len(template_params) :], params_sha=params_sha)
         if sha != meta["sha"]:
             return None, f"parameters and momentum hash to {sha[:12]}..., the donor claims {meta['sha'][:12]}...", False
         if count_votes:
@@ -344,7 +411,7 @@ def download_state(
             if verdict is not None:
                 return None, f"parameters {sha[:12]}... {verdict} for epoch {meta['ep']}", trusted is None
         state = SwarmState(params=params, opt_tensors=tensors[len(template_params) :], epoch=meta["ep"],
-                           state_sha256=sha, donor=peer, rejected=tuple(rejected))
+                           state_sha256=sha, params_sha256=params_sha, donor=peer, rejected=tuple(rejected))
         return state, None, False
 
     for peer, _priority in donors:

@@ -90,3 +90,44 @@ def test_disk_full_is_a_clear_error_and_previous_is_untouched(tmp_path: Path) ->
     finally:
         if subprocess.run(["umount", str(mnt)], check=False).returncode != 0:
             subprocess.run(["umount", "--lazy", str(mnt)], check=False)  # detached now, freed once unused
+
+
+BACKGROUND_WRITER = r"""
+import sys, torch
+from p2p_diloco.peer.config import PeerConfig
+from p2p_diloco.peer.resume import save_session
+from p2p_diloco.peer.session import SwarmSession
+cfg = PeerConfig()
+cfg.run.checkpoint_dir, cfg.run.keep_checkpoints = sys.argv[1], 2
+params = [torch.nn.Parameter(torch.zeros(2_000_000)), torch.nn.Parameter(torch.zeros(300, 300))]
+session = SwarmSession(cfg, params, "abcdef0123456789")  # nothing network starts before start()
+print("ready", flush=True)
+for epoch in range(1, 10_000):
+    session.port.wait_writer()          # what the next outer step does before it changes the anchors
+    for a in session.state.anchors:
+        a.fill_(float(epoch))           # every value of a checkpoint names its epoch
+    session.state.epoch = epoch
+    save_session(session, lambda e, s: print("saved", e, flush=True))
+"""
+
+
+def test_a_background_checkpoint_is_complete_or_absent_after_a_kill(tmp_path: Path) -> None:
+    """Checkpoints written back to back by the background writer from the live anchors, killed -9 (most likely
+    in the middle of a write): what loads is one complete, consistent epoch (every anchor value equals it)."""
+    saves_before_kill = 3
+    proc = subprocess.Popen([sys.executable, "-c", BACKGROUND_WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for _ in range(saves_before_kill):
+            assert proc.stdout.readline().startswith("saved")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    ck = load_latest(tmp_path)
+    if ck is None:
+        assert saves_before_kill == 0
+        return
+    assert ck.epoch >= saves_before_kill
+    for key in ("param.0", "param.1"):
+        assert torch.all(ck.tensors[key] == float(ck.epoch)), key

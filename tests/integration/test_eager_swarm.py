@@ -41,7 +41,8 @@ def _q(theta: list[torch.Tensor], own: list[torch.Tensor], share: float) -> torc
 def test_eager_peers_differ_exactly_by_the_own_term(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     try:
-        procs = {name: start_peer(tmp_path, name, maddr, *EAGER, "--checkpoint-dir", str(tmp_path / f"ck-{name}"))
+        procs = {name: start_peer(tmp_path, name, maddr, *EAGER, "--checkpoint-dir", str(tmp_path / f"ck-{name}"),
+                                             "--checkpoint-every", "1")
                  for name in "ab"}
         codes = wait_all(procs, 360)
     finally:

@@ -68,7 +68,7 @@ def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
         for name in ("a", "b"):
             tracking = ["--tensorboard-dir", str(tmp_path / "tb")] if name == "a" else []
             procs[name] = start_peer(tmp_path, name, maddr, *run[len(FAST):], "--max-rounds", "40",
-                                     "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"), "--keep-checkpoints", "50",
+                                     "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"), "--keep-checkpoints", "50", "--checkpoint-every", "1",
                                      *tracking)
         wait_for(lambda: all(any(r["outcome"] == "averaged" and r["group_size"] == 2 for r in events(tmp_path, n, "round"))
                              for n in ("a", "b")), 240, "a round averaged by both peers: " + tail(tmp_path, "a", 600))

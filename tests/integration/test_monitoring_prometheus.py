@@ -149,7 +149,7 @@ def test_prometheus_runs_every_dashboard_query_and_alert_on_a_live_swarm(tmp_pat
     try:
         for name, port in zip(names, peer_ports, strict=True):
             procs[name] = start_peer(tmp_path, name, maddr, "--run-id", RUN, "--metrics-port", str(port),
-                                     "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"),
+                                     "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"), "--checkpoint-every", "1",
                                      "--local-steps", "3", "--min-local-steps", "1")
         procs["prometheus"] = start_prometheus(tmp_path, prom_port, boot_port, peer_ports)
         wait_for(lambda: ready(f"{prom_url}/-/ready"), 60, "Prometheus to be ready")

@@ -94,7 +94,7 @@ def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
         procs = {
             "a": start_peer(tmp_path, "a", maddr, "--run-id", "t2", "--max-rounds", "5"),
             "b": start_peer(tmp_path, "b", maddr, "--run-id", "t2", "--max-rounds", "5",
-                            "--checkpoint-dir", str(ckpt), faults="kill_during_allreduce@2"),
+                            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", faults="kill_during_allreduce@2"),
             "c": start_peer(tmp_path, "c", maddr, "--run-id", "t2", "--max-rounds", "5"),
         }
         procs["b"].wait(timeout=240)
@@ -103,7 +103,7 @@ def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
         assert [(f["action"], f["epoch"]) for f in fault] == [("kill_during_allreduce", 2)]
         before = events(tmp_path, "b", "round")
         procs["b"] = start_peer(tmp_path, "b", maddr, "--run-id", "t2", "--max-rounds", "2",
-                                "--checkpoint-dir", str(ckpt), "--resume")
+                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--resume")
         codes = wait_all(procs, 300)
     finally:
         boot.terminate()

@@ -36,7 +36,7 @@ SIM_FAULTS = ["late@1:2"]
 def test_one_fault_schedule_gives_the_same_outcomes_and_parameters_in_simulator_and_swarm(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     try:
-        procs = {n: start_peer(tmp_path, n, maddr, *TIMING, "--checkpoint-dir", str(tmp_path / f"ck-{n}"),
+        procs = {n: start_peer(tmp_path, n, maddr, *TIMING, "--checkpoint-dir", str(tmp_path / f"ck-{n}"), "--checkpoint-every", "1",
                                faults=SWARM_FAULTS[n]) for n in "abc"}
         codes = wait_all(procs, 240)
     finally:

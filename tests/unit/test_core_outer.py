@@ -252,3 +252,16 @@ def test_load_momentum_into_fedavg_is_an_error() -> None:
     outer = fedavg_outer_optimizer([torch.zeros(2)])
     with pytest.raises(ValueError, match="without momentum"):
         outer.load_state_tensors({"outer.momentum.0": torch.zeros(2)})
+
+
+def test_loading_momentum_reuses_buffers_or_adopts_handed_over_tensors() -> None:
+    anchors = [torch.zeros(3), torch.zeros(2)]
+    outer = OuterOptimizer(anchors, lr=0.5, momentum=0.9)
+    given = {"outer.momentum.0": torch.ones(3), "outer.momentum.1": torch.ones(2)}
+    outer.load_state_tensors(given, validate_only=True)
+    assert outer.momentum_buffers() == [None, None]  # validation changes nothing
+    outer.load_state_tensors(given, take=True)
+    assert outer.momentum_buffers()[0].data_ptr() == given["outer.momentum.0"].data_ptr()  # no copy
+    kept = outer.momentum_buffers()[1]
+    outer.load_state_tensors({"outer.momentum.0": torch.full((3,), 2.0), "outer.momentum.1": torch.full((2,), 2.0)})
+    assert outer.momentum_buffers()[1] is kept and kept.tolist() == [2.0, 2.0]  # overwritten in place

@@ -108,6 +108,11 @@ class FakePort:
     state: OuterState | None = None
     params: list[torch.Tensor] = field(default_factory=list)
     calls: list[tuple] = field(default_factory=list)
+    buffers: list[torch.Tensor] | None = None
+    """What ``delta_buffers`` offers (the swarm's shared averaging buffer); None: the driver's own."""
+    garble: bool = False
+    """A failed all-reduce that leaves garbage in the offered buffer."""
+    sent: list = field(default_factory=list)
 
     def observe(self, epoch: int) -> Observation:
         return Observation(epoch, self.swarm, self.peers, unseen_s=0.0)
@@ -128,6 +133,9 @@ class FakePort:
     def average(self, delta, weight, staleness, epoch, stale, stale_weight) -> RoundResult:
         self.calls.append(("average", epoch, weight, staleness, None if stale is None else stale[0].clone(),
                            stale_weight))
+        self.sent.append(delta)
+        if self.garble and self.buffers is not None:
+            self.buffers[0].fill_(123.0)
         return self.results.pop(0)
 
     def resync(self, min_epoch: int) -> bool:
@@ -152,6 +160,12 @@ class FakePort:
 
     def discard(self, why: str) -> None:
         self.calls.append(("discard", why))
+
+    def delta_buffers(self) -> list[torch.Tensor] | None:
+        return self.buffers
+
+    def withdraw(self) -> None:
+        self.calls.append(("withdraw",))
 
 
 def make(port: FakePort, *, eager: bool = False, solo_after_s: float = 0.0) -> tuple[RoundDriver, list[torch.Tensor]]:
@@ -283,3 +297,28 @@ def test_a_solo_round_resets_the_eager_state() -> None:
     train(driver, params, 1.0)
     assert driver.end(4, RoundReport(epoch=0), 1.0).outcome is Outcome.AVERAGED
     assert not driver.state.eager.has_previous and any(c[0] == "discard" for c in port.calls)
+
+
+def test_the_pseudo_gradient_goes_straight_into_the_ports_buffer_and_the_anchors_are_withdrawn_first() -> None:
+    shared = [torch.zeros(4)]
+    port = FakePort(swarm=0, results=[averaged(0, -2.0)], buffers=shared)
+    driver, params = make(port)
+    train(driver, params, 1.0)
+    driver.end(4, RoundReport(epoch=0), 1.0)
+    assert port.sent[0] is shared or port.sent[0][0] is shared[0]  # no copy on the way to the all-reduce
+    assert shared[0].tolist() == [-1.0] * 4  # anchors (0) - params (1)
+    names = [c[0] for c in port.calls]
+    assert names.index("withdraw") < names.index("published")
+
+
+def test_late_work_after_a_failed_allreduce_is_recomputed_not_read_from_the_garbled_buffer() -> None:
+    shared = [torch.zeros(4)]
+    failed = RoundResult(Outcome.SKIPPED, "partial all-reduce", 0)
+    port = FakePort(swarm=0, results=[failed], buffers=shared, garble=True, swarm_after=3,
+                    donor=([torch.full((4,), 7.0)], 3))
+    driver, params = make(port)
+    train(driver, params, 1.0)
+    report = driver.end(4, RoundReport(epoch=0), 1.0)
+    assert report.outcome is Outcome.RESYNCED
+    assert driver.pending.late is not None and driver.pending.late.delta[0].tolist() == [-1.0] * 4
+    assert driver.pending.late.delta[0].data_ptr() != shared[0].data_ptr()  # its own copy: the buffer is reused
