@@ -146,10 +146,16 @@ class ScriptedSwarm:
         self.downloads.append((min_epoch, trusted))
         return self.donor
 
-    def serve(self, anchors, momentum, epoch, *, checksum) -> None:  # noqa: ANN001
+    def serve(self, anchors, momentum, epoch, *, checksum, sha=None) -> str:  # noqa: ANN001
+        return state_sha256(anchors, momentum, params_sha=sha)
+
+    def withdraw(self) -> None:
         pass
 
-    def average(self, delta, weight, staleness, epoch, stale, stale_weight) -> RoundResult:  # noqa: ANN001
+    def fresh_buffers(self) -> None:
+        return None
+
+    def average(self, delta, weight, staleness, epoch, stale, stale_weight, copy_out=True) -> RoundResult:  # noqa: ANN001
         self.averaged.append((weight, stale_weight))
         return self.result
 
@@ -176,7 +182,8 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
     assert port.observe(3).swarm_epoch == 3
     swarm.claims["a"] = 4  # a trusted peer ahead still pulls this one along, checked against trusted peers
     assert port.observe(3).swarm_epoch == 4
-    swarm.donor = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a")
+    swarm.donor = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a",
+                                  params_sha256=params_sha256([torch.ones(4)]))
     assert port.resync(4)
     assert swarm.downloads[-1] == (4, frozenset({"a", "b"}))
 
