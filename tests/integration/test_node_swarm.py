@@ -21,7 +21,7 @@ def _start_node(tmp: Path, maddr: str, *extra: str) -> subprocess.Popen:
     out = open(tmp / "node.out", "a")
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "p2p_diloco.cli.run_peer", *FAST, *NODE, "--initial-peers", maddr,
-            "--log-file", str(tmp / "node.jsonl"), "--checkpoint-dir", str(tmp / "ck"), *extra]
+            "--log-file", str(tmp / "node.jsonl"), "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "1", *extra]
     return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env())
 
 
