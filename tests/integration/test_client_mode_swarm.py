@@ -17,7 +17,7 @@ from p2p_diloco.swarm import SwarmConfig, fetch_progress, start_dht
 
 pytestmark = pytest.mark.slow
 
-RUN = ["--run-id", "cm", "--local-steps", "3", "--min-local-steps", "3", "--target-group-size", "4",
+RUN = ["--run-id", "cm", "--local-steps", "10", "--min-local-steps", "10", "--target-group-size", "4",
        "--eval-every", "0"]
 
 
@@ -42,11 +42,13 @@ def test_client_mode_peer_joins_downloads_and_averages_with_full_peers(tmp_path:
     boot, maddr = start_bootstrap(tmp_path)
     procs: dict = {}
     try:
-        procs["a"] = start_peer(tmp_path, "a", maddr, *RUN, "--max-rounds", "40")
-        procs["b"] = start_peer(tmp_path, "b", maddr, *RUN, "--max-rounds", "40")
+        # The full peers run until the test stops them: rounds of about a second, and a client that had to
+        # chase them (download, train, find the swarm a few epochs on) must still find them there.
+        procs["a"] = start_peer(tmp_path, "a", maddr, *RUN, "--max-rounds", "400")
+        procs["b"] = start_peer(tmp_path, "b", maddr, *RUN, "--max-rounds", "400")
         # The client is slowed through its first round, which the full peers finish without it: it must then
         # download their state. (Starting it later would cost another interpreter start on the clock.)
-        procs["c"] = start_peer(tmp_path, "c", maddr, *RUN, "--client-mode", "true", "--max-rounds", "8",
+        procs["c"] = start_peer(tmp_path, "c", maddr, *RUN, "--client-mode", "true", "--max-rounds", "20",
                                 faults="slow_steps@0=2.5")
 
         def averaged_by_client() -> list[dict]:
