@@ -10,6 +10,7 @@ import signal
 import sys
 
 import torch
+from hivemind.utils.mpfuture import MPFuture
 from swarm_helpers.harness import SHARED_MEMORY_KEEPALIVE
 
 from p2p_diloco.core.rounds import Outcome
@@ -46,6 +47,12 @@ def test_shutdown_after_the_averager_process_died_logs_no_error() -> None:
         dht.shutdown()
         for logger in loggers:
             logger.removeHandler(errors)
+        # hivemind's MPFutures share one lock among every process forked from this one. A process killed
+        # while it sends a result (the averager may still be inside ``ready.set_result``) never releases it,
+        # and every hivemind process started later in this pytest process then hangs on its first result
+        # (seen: the next test's DHT never started). A peer is one process tree and stops after such a kill;
+        # the test process goes on, so it takes fresh locks.
+        MPFuture.reset_backend()
     assert errors.messages == []
 
 
