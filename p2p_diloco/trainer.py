@@ -13,7 +13,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -24,6 +23,7 @@ from transformers.optimization import (
 
 from p2p_diloco.config import InnerConfig
 from p2p_diloco.device import autocast, autocast_dtype, select_device
+from p2p_diloco.inner_stats import InnerStats
 
 logger = logging.getLogger(__name__)
 
@@ -65,26 +65,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: InnerConfig,
             last_epoch=last_step,
         )
     return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps, last_epoch=last_step)
-
-
-@dataclass
-class InnerStats:
-    """What one inner phase did."""
-
-    steps: int
-    samples: int
-    tokens: int
-    seconds: float
-    mean_loss: float
-    last_loss: float
-
-    @property
-    def steps_per_second(self) -> float:
-        return self.steps / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class InnerTrainer:

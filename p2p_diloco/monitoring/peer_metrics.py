@@ -23,9 +23,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
+from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.report import Outcome, RoundReport, SessionListener
 from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS
-from p2p_diloco.trainer import InnerStats
 
 PREFIX = "p2p_diloco_"
 OUTCOMES = tuple(o.value for o in Outcome)

@@ -18,8 +18,8 @@ import threading
 import time
 from typing import TextIO
 
+from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.report import RoundReport, SessionListener
-from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from p2p_diloco.config import TrackingConfig
+from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.report import Outcome, RoundReport, SessionListener
-from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
 

@@ -28,13 +28,13 @@ from typing import Any
 
 from p2p_diloco.core.rounds import Outcome, RoundReport
 from p2p_diloco.data.loader import DataPosition
+from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.node import NodeError, NodeGroup
 from p2p_diloco.peer.node_model import NodeModel
 from p2p_diloco.peer.report import SessionListener
 from p2p_diloco.peer.session import DataStream, SwarmSession
 from p2p_diloco.swarm import SwarmStartError
-from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ log consume these; they depend on nothing else in the session.
 from __future__ import annotations
 
 from p2p_diloco.core.rounds import Outcome, RoundReport
-from p2p_diloco.trainer import InnerStats
+from p2p_diloco.inner_stats import InnerStats
 
 __all__ = ["Outcome", "RoundReport", "SessionListener"]
 

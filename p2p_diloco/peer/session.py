@@ -48,6 +48,7 @@ from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import RoundDriver
 from p2p_diloco.core.rounds import RoundPolicy, RoundReport
 from p2p_diloco.data.loader import DataPosition
+from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
@@ -55,7 +56,6 @@ from p2p_diloco.peer.report import SessionListener
 from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
-from p2p_diloco.trainer import InnerStats
 
 logger = logging.getLogger(__name__)
 

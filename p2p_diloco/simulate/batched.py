@@ -33,7 +33,8 @@ from transformers import PreTrainedModel
 from p2p_diloco.config import InnerConfig
 from p2p_diloco.data.loader import PeerTokenStream
 from p2p_diloco.device import autocast, autocast_dtype
-from p2p_diloco.trainer import InnerStats, make_adamw, make_scheduler
+from p2p_diloco.inner_stats import InnerStats
+from p2p_diloco.trainer import make_adamw, make_scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from p2p_diloco.core.robust import (
     GroupReduction,
     part_size_values,
 )
-from p2p_diloco.trainer import InnerStats
+from p2p_diloco.inner_stats import InnerStats
 
 if TYPE_CHECKING:
     from p2p_diloco.simulate.batched import BatchedInnerTrainer

@@ -15,12 +15,12 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2p_diloco.cli import run_bootstrap
+from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay, SwarmExporter, rejection_kind
 from p2p_diloco.monitoring.peer_metrics import RECORD_REJECTION_REASONS, REJECTION_REASONS
 from p2p_diloco.peer.report import RoundReport
 from p2p_diloco.swarm import SwarmConfig, publish_progress, start_dht
 from p2p_diloco.swarm.signing import own_subkey
-from p2p_diloco.trainer import InnerStats
 
 pytestmark = pytest.mark.timeout(120)
 

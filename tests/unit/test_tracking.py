@@ -9,9 +9,9 @@ import pytest
 from hf_assets import wandb_history
 
 from p2p_diloco.config import TrackingConfig
+from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingError
 from p2p_diloco.peer.report import Outcome, RoundReport
-from p2p_diloco.trainer import InnerStats
 
 ROUNDS = [
     RoundReport(epoch=0, outcome=Outcome.AVERAGED, group_size=2, inner_steps=10, inner_seconds=3.0, allreduce_seconds=1.0,
