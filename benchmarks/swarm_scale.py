@@ -66,6 +66,7 @@ def peer_main(argv: list[str]) -> int:
     import torch
 
     from p2p_diloco.cli.common import make_parser, parse_config, setup_logging
+    from p2p_diloco.host_memory import return_freed_memory
     from p2p_diloco.inner_stats import InnerStats
     from p2p_diloco.peer.config import PeerConfig
     from p2p_diloco.peer.runlog import RunLog
@@ -77,6 +78,7 @@ def peer_main(argv: list[str]) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.5, help="wall time of one synthetic inner step")
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
+    return_freed_memory()  # as run_peer does, before anything model-sized exists and processes are forked
     n = args.synthetic_params
     params = [torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02]
     fingerprint = hashlib.sha256(f"swarm-scale-{n}".encode()).hexdigest()[:16]
@@ -139,21 +141,48 @@ def _wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 180.0) 
     raise TimeoutError("the bootstrap node printed no address")
 
 
-def _tree_pss(pids: list[int]) -> int:
+def _tree_memory(pids: list[int]) -> dict[str, int]:
+    """Proportional set size of the peers' process trees, and unique set size by process role."""
     import psutil
 
-    total = 0
+    out: Counter = Counter()
     for pid in pids:
         try:
             root = psutil.Process(pid)
-            for proc in (root, *root.children(recursive=True)):
-                try:
-                    total += proc.memory_full_info().pss
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    pass
+            tree = (root, *root.children(recursive=True))
         except psutil.NoSuchProcess:
-            pass
-    return total
+            continue
+        for proc in tree:
+            try:
+                info = proc.memory_full_info()
+                role = "peer" if proc.pid == pid else ("forked" if proc.name().startswith("python") else proc.name())
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            out["pss"] += info.pss
+            out[f"uss_{role}"] += info.uss
+    out["trees"] = len(pids)
+    return dict(out)
+
+
+START_WAVE = 4
+"""Peers started together; the next wave starts once these logged their start."""
+MIN_AVAILABLE_BYTES = 3 * 2**30
+"""Below this much available memory the scenario stops (a benchmark must not push the machine into the OOM killer)."""
+
+
+class OutOfMemory(RuntimeError):
+    pass
+
+
+def _memory_guard(procs: dict[str, subprocess.Popen]) -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if available < MIN_AVAILABLE_BYTES:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        raise OutOfMemory(f"{available / 2**30:.1f} GiB available with {len(procs)} peers started")
 
 
 def _events(path: Path, kind: str) -> list[dict[str, Any]]:
@@ -185,8 +214,9 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
     procs: dict[str, subprocess.Popen] = {}
     left: list[dict[str, Any]] = []
     joins: list[dict[str, Any]] = []
-    pss_samples: list[int] = []
+    memory: list[dict[str, int]] = []
     started = time.time()
+    aborted = ""
 
     def start(i: int, bootstrap: str) -> None:
         tag = f"p{i:03d}"
@@ -201,15 +231,25 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
 
     try:
         bootstrap = _wait_for_maddr(out / "bootstrap.out", boot)
-        for i in range(peers):
-            start(i, bootstrap)
+        # In waves: 32 interpreters importing torch at once on 2 cores take minutes each and, all at their
+        # import peak together, more memory than the swarm needs once it runs.
+        for first in range(0, peers, START_WAVE):
+            wave = range(first, min(peers, first + START_WAVE))
+            for i in wave:
+                start(i, bootstrap)
+            wave_deadline = time.time() + 300
+            while time.time() < wave_deadline and not all(_events(out / f"p{i:03d}.jsonl", "start") for i in wave):
+                _memory_guard(procs)
+                time.sleep(2.0)  # polling the peers' logs
         next_index = peers
+        started = time.time()  # the measured window starts with every peer up
         deadline = started + 60 * minutes
         next_churn = started + churn_every_s
         kill_hard = True
         while time.time() < deadline:
             time.sleep(5.0)  # the benchmark's sampling period; the peers do not wait on it
-            pss_samples.append(_tree_pss([p.pid for p in procs.values() if p.poll() is None]))
+            _memory_guard(procs)
+            memory.append(_tree_memory([p.pid for p in procs.values() if p.poll() is None]))
             if churn_every_s and time.time() >= next_churn:
                 alive = [t for t, p in procs.items() if p.poll() is None and _events(out / f"{t}.jsonl", "round")]
                 if alive:
@@ -220,6 +260,9 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
                     start(next_index, bootstrap)
                     next_index += 1
                 next_churn += churn_every_s
+    except OutOfMemory as e:
+        aborted = f"stopped early: {e}"
+        logger.error("%s: %s", name, aborted)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -234,13 +277,15 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
             boot.wait(timeout=30)
         except subprocess.TimeoutExpired:
             boot.kill()
-    return summarize(name, out, peers, minutes, churn_every_s, target_group_size, local_steps, step_seconds,
-                     synthetic_params, left, joins, pss_samples, started)
+    summary = summarize(name, out, peers, minutes, churn_every_s, target_group_size, local_steps, step_seconds,
+                        synthetic_params, left, joins, memory, started)
+    summary["aborted"] = aborted
+    return summary
 
 
 def summarize(name: str, out: Path, peers: int, minutes: float, churn_every_s: float, target_group_size: int,
               local_steps: int, step_seconds: float, synthetic_params: int, left: list, joins: list,
-              pss_samples: list[int], started: float) -> dict[str, Any]:
+              memory: list[dict[str, int]], started: float) -> dict[str, Any]:
     rounds = {p.stem: _events(p, "round") for p in sorted(out.glob("p*.jsonl"))}
     starts = {p.stem: _events(p, "start") for p in sorted(out.glob("p*.jsonl"))}
     outcomes = Counter(r["outcome"] for rows in rounds.values() for r in rows)
@@ -251,6 +296,14 @@ def summarize(name: str, out: Path, peers: int, minutes: float, churn_every_s: f
             if r["outcome"] in synced and r["outcome"] != "solo":
                 digests[r["new_epoch"]].add(r["params_sha256"])
     split_epochs = sorted(e for e, s in digests.items() if len(s) > 1)
+    # A group whose members hold different parameters afterwards applied something partially (a bug); two
+    # groups of one epoch with different averages are the multi-group case (the checksum vote then resyncs).
+    by_group: dict[tuple, set[str]] = defaultdict(set)
+    for rows in rounds.values():
+        for r in rows:
+            if r["outcome"] in ("averaged", "folded_late"):
+                by_group[(r["epoch"], tuple(sorted(r["contributors"])))].add(r["params_sha256"])
+    partial_groups = sorted(k[0] for k, v in by_group.items() if len(v) > 1)
     # groups of one epoch: the distinct groups (by contributors) that averaged it
     groups_by_epoch: dict[int, set[tuple[str, ...]]] = defaultdict(set)
     group_sizes = []
@@ -275,9 +328,12 @@ def summarize(name: str, out: Path, peers: int, minutes: float, churn_every_s: f
         groups_per_epoch=statistics.mean(len(g) for g in groups_by_epoch.values()) if groups_by_epoch else 0,
         epochs_with_several_groups=sum(len(g) > 1 for g in groups_by_epoch.values()),
         epochs=max_epoch, joins_downloaded=downloads, resyncs=resyncs,
-        split_epochs=split_epochs, applied_partially=bool(split_epochs),
-        peak_pss_gb=max(pss_samples, default=0) / 1e9,
-        median_pss_per_peer_mb=(statistics.median(pss_samples) / peers / 1e6) if pss_samples else 0,
+        epochs_with_differing_digests=split_epochs, groups_with_differing_digests=partial_groups,
+        applied_partially=bool(partial_groups),
+        peak_pss_gb=max((m["pss"] for m in memory), default=0) / 1e9,
+        # per peer, in MB, at the last sample: the whole tree's PSS and each role's private (unique) memory
+        last_memory_per_peer_mb={k: v / max(1, memory[-1]["trees"]) / 1e6 for k, v in memory[-1].items()
+                                 if k != "trees"} if memory else {},
         wall_s=time.time() - started,
     )
     logger.info("%s: %s", name, json.dumps({k: v for k, v in summary.items() if k != "peers_left"}))
