@@ -40,6 +40,7 @@ from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
+from p2p_diloco.swarm.completion import confirm_complete
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
     DEFAULT_MAX_ROUND_WEIGHT,
@@ -58,7 +59,6 @@ from p2p_diloco.swarm.runner import (
     CountingAllReduceRunner,
     FaultHook,
     RunnerFactory,
-    confirm_complete,
     no_faults,
     run_allreduce,
 )
@@ -243,8 +243,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             return RoundResult(Outcome.SKIPPED, "the averager process is not running", epoch)
         with self._locked_buffers(budget) as buffers:
             if buffers is None:
-                return RoundResult(Outcome.SKIPPED, "the averaging buffers stayed busy (a previous round still runs)", epoch
-                )
+                return RoundResult(Outcome.SKIPPED, "the averaging buffers stayed busy (a previous round runs)", epoch)
             for src, dst in zip(fresh if has_fresh else (), buffers, strict=False):
                 if src.data_ptr() != dst.data_ptr():  # written in place through fresh_buffers(): no copy
                     dst.copy_(src.detach())
@@ -519,13 +518,14 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             result.rejected = tuple(self._ban(rejected))
             if self._fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")
-            confirmed, detail = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id)
+            check = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id, runner)
+            result.rejected = tuple(self._ban(rejected | check.equivocators))
         result.allreduce_seconds = time.monotonic() - began
         result.bytes_sent, result.bytes_received = counter.sent, counter.received
         if faults:
             return result.skip("partial all-reduce: " + "; ".join(faults))
-        if not confirmed:
-            return result.skip(detail)
+        if not check.confirmed:
+            return result.skip(check.detail)
         result.outcome, result.reason = Outcome.AVERAGED, ""
         if plan.with_stale:
             result.stale_term = list(stale)
