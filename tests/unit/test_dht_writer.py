@@ -1,0 +1,46 @@
+"""DHT stores run on the writer's thread: the caller never waits on a slow DHT, and only the latest store of
+a slot is kept while one is in flight."""
+
+from __future__ import annotations
+
+import threading
+
+from p2p_diloco.swarm.dht_writer import MAX_SLOTS, DhtWriter
+
+
+def test_a_slow_store_never_holds_up_the_caller_and_newer_progress_replaces_waiting_progress() -> None:
+    writer = DhtWriter()
+    release, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def slow() -> None:  # a DHT that does not answer
+        started.set()
+        release.wait(30)
+        ran.append("slow")
+
+    writer.submit("checksum 1", slow)
+    assert started.wait(30)
+    for step in range(5):  # the training thread publishes progress while the store above hangs
+        writer.submit("progress", lambda step=step: ran.append(f"progress {step}"))
+    writer.submit("boom", lambda: 1 / 0)  # a failing store is logged, the writer goes on
+    writer.submit("checksum 2", lambda: ran.append("checksum 2"))
+    assert ran == []  # submit returned each time while the first store still hangs
+    release.set()
+    assert writer.flush(30)
+    assert ran == ["slow", "progress 4", "checksum 2"]
+    writer.close(5)
+    writer.submit("progress", lambda: ran.append("late"))  # after close: dropped
+    assert ran[-1] == "checksum 2"
+
+
+def test_the_backlog_is_bounded() -> None:
+    writer = DhtWriter()
+    release = threading.Event()
+    writer.submit("hang", lambda: release.wait(30))
+    ran: list[int] = []
+    for i in range(MAX_SLOTS + 10):
+        writer.submit(f"checksum {i}", lambda i=i: ran.append(i))
+    release.set()
+    assert writer.flush(30)
+    assert len(ran) <= MAX_SLOTS and ran[-1] == MAX_SLOTS + 9  # the oldest waiting ones were dropped
+    writer.close(5)
