@@ -151,6 +151,18 @@ class PartResult:
     too, and the averager bans them for the run)."""
     fault: str | None = None
     """Why ``value`` is ``None``."""
+    excluded: tuple[int, ...] = ()
+    """Sender indices the norm screen left out of this part only: its part is too small
+    (``MIN_BANNING_VALUES``) for its norm to say anything about the sender, so nobody is banned on it."""
+
+
+MIN_BANNING_VALUES = 64
+"""Fewest values a part needs for the norm screen to ban on it. The norm of a part of one value (a bias of one
+value, the remainder of a tensor's split) is one coordinate of a pseudo-gradient, and a coordinate of honest
+pseudo-gradients differs between peers by orders of magnitude: the screen flagged honest peers there. On a
+smaller part the screen still leaves flagged values out of that part's average (a sender could put its whole
+norm budget into one coordinate), but bans nobody. From 64 values up a norm concentrates (its relative spread
+is about ``1/sqrt(2 * values)`` for like-distributed values), far inside the screen's factor of 20."""
 
 
 def rescale_factor(sender_weights: Sequence[float], accepted: Sequence[int]) -> float | None:
@@ -187,15 +199,22 @@ def reduce_part(
     claimed = sender_weights if claimed_weights is None else claimed_weights
     order = sorted(parts)
     screened = norm_outliers([parts[i] for i in order], norm_factor, weights=[claimed[i] for i in order])
-    outliers = tuple(order[position] for position in screened)
-    kept = [i for i in order if i not in outliers]
+    flagged = tuple(order[position] for position in screened)
+    outliers, excluded = flagged, ()
+    if order and parts[order[0]].numel() < MIN_BANNING_VALUES:
+        # too few values to judge a sender by: leave them out of this part, ban only a non-zero part sent
+        # under a zero weight (a contradiction, not a statistical judgement)
+        outliers = tuple(i for i in flagged if not float(claimed[i]) > 0)
+        excluded = tuple(i for i in flagged if i not in outliers)
+    kept = [i for i in order if i not in flagged]
     if not kept:
-        return PartResult(None, outliers, "no acceptable contribution")
+        return PartResult(None, outliers, "no acceptable contribution", excluded)
     combined = aggregate([parts[i] for i in kept], method)
     scale = rescale_factor(sender_weights, kept)
     if scale is None:
-        return PartResult(None, outliers, "every sender of fresh work was rejected")
-    return PartResult(combined if scale == 1.0 else (combined.double() * scale).to(combined.dtype), outliers)
+        return PartResult(None, outliers, "every sender of fresh work was rejected", excluded)
+    value = combined if scale == 1.0 else (combined.double() * scale).to(combined.dtype)
+    return PartResult(value, outliers, excluded=excluded)
 
 
 def part_size_values(part_size_bytes: int, bits_per_value: float) -> int:

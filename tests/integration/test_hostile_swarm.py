@@ -24,7 +24,7 @@ from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SHAPES = [[6, 8], [10]]
+SHAPES = [[8, 8], [64]]  # parts of 64 values: enough for the norm screen to ban on (core.robust)
 
 
 @pytest.fixture
