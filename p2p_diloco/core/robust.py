@@ -43,7 +43,8 @@ NORM_OUTLIER_FACTOR = 20.0
 
 
 def norm_outliers(
-    vectors: Sequence[torch.Tensor], factor: float, min_count: int = 3, weights: Sequence[float] | None = None
+    vectors: Sequence[torch.Tensor], factor: float, min_count: int = 3, weights: Sequence[float] | None = None,
+    anchor: int | None = None,
 ) -> list[int]:
     """Indices of vectors whose (weight-normalised) L2 norm exceeds ``factor`` times the median of them.
 
@@ -56,6 +57,11 @@ def norm_outliers(
     part: they are neither flagged nor counted in the median. A non-zero vector claiming zero weight is
     flagged. With fewer than ``min_count`` non-zero vectors nobody is flagged (with two there is no telling
     which one is off). ``factor <= 0`` disables the screen.
+
+    ``anchor``: the index of a vector known to be honest (the reducer's own), or ``None``. The lower median
+    is a head count: Sybils sending tiny parts (or claiming large weights) in a group they outnumber would
+    push it down until honest parts look like outliers. An anchor's statistic is a floor for the median, so
+    no vector within ``factor`` of an honest one is ever flagged, however many tiny ones surround it.
     """
     if factor <= 0:
         return []
@@ -73,6 +79,8 @@ def norm_outliers(
     if len(stats) >= min_count:
         ordered = sorted(stats.values())
         median = ordered[(len(ordered) - 1) // 2]  # the lower median: one huge outlier cannot raise it
+        if anchor is not None and anchor in stats:
+            median = max(median, stats[anchor])  # ...and Sybils cannot lower it below an honest part
         flagged += [i for i, stat in stats.items() if stat > factor * median]
     return sorted(flagged)
 
@@ -187,6 +195,7 @@ def reduce_part(
     method: str,
     norm_factor: float,
     claimed_weights: Sequence[float] | None = None,
+    own: int | None = None,
 ) -> PartResult:
     """One reducer's work on one part: norm screen, ``aggregate`` with ``method``, rescale.
 
@@ -195,15 +204,20 @@ def reduce_part(
       ``parts``; their count is the group size ``n`` of the pre-scaling.
     :param norm_factor: see :func:`norm_outliers`; 0 disables the screen.
     :param claimed_weights: fresh plus late weight per sender, for the norm screen (default sender_weights).
+    :param own: the reducer's own sender index. Its part anchors the norm screen (``norm_outliers``), and
+      only an anchored screen bans: without it (``None``, or the reducer sends zeros in this part) the median
+      is whatever the group's majority, Sybils perhaps, sends, so flagged senders are only left out of this part.
     """
     claimed = sender_weights if claimed_weights is None else claimed_weights
     order = sorted(parts)
-    screened = norm_outliers([parts[i] for i in order], norm_factor, weights=[claimed[i] for i in order])
+    anchor = order.index(own) if own in parts and bool(parts[own].any()) else None
+    screened = norm_outliers([parts[i] for i in order], norm_factor, weights=[claimed[i] for i in order],
+                             anchor=anchor)
     flagged = tuple(order[position] for position in screened)
     outliers, excluded = flagged, ()
-    if order and parts[order[0]].numel() < MIN_BANNING_VALUES:
-        # too few values to judge a sender by: leave them out of this part, ban only a non-zero part sent
-        # under a zero weight (a contradiction, not a statistical judgement)
+    if anchor is None or parts[order[0]].numel() < MIN_BANNING_VALUES:
+        # no honest yardstick, or too few values to judge a sender by: leave them out of this part, ban only
+        # a non-zero part sent under a zero weight (a contradiction, not a statistical judgement)
         outliers = tuple(i for i in flagged if not float(claimed[i]) > 0)
         excluded = tuple(i for i in flagged if i not in outliers)
     kept = [i for i in order if i not in flagged]
@@ -310,6 +324,7 @@ class GroupReduction:
                 weights,
                 method=self.method,
                 norm_factor=self.norm_factor,
+                own=owner,
             )
             for sender in result.outliers:
                 rejected[owner][sender] = (

@@ -229,6 +229,7 @@ class CountingAllReduceRunner(AllReduceRunner):
                 parts[0].dtype if parts else torch.float32,
                 [peer.to_base58() for peer in self.sender_peer_ids],
                 regions=part_regions(self.tensor_part_container, my_index, fresh_tensors),
+                own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
                 **robust,
             )
         self._check: AverageCheck | None = None

@@ -76,7 +76,7 @@ def _reduce(parts: list[torch.Tensor], weights: list[float], **options: object) 
             torch.float32,
             [f"peer{i}" for i in range(len(parts))],
             weights,
-            **{"method": "mean", "norm_factor": 20.0, **options},  # type: ignore[arg-type]
+            **{"method": "mean", "norm_factor": 20.0, "own": 0, **options},  # type: ignore[arg-type]
         )
         results = await asyncio.gather(
             *(reducer.accumulate_part(i, 0, part) for i, part in enumerate(parts))
@@ -267,4 +267,18 @@ def test_a_part_of_a_single_value_never_gets_an_honest_peer_banned() -> None:
     # a 64-value part is large enough to judge a sender by: a scaled one is banned as before
     parts = [torch.full((64,), 1.0), torch.full((64,), 1.1), torch.full((64,), 100.0)]
     _, rejected = _reduce(parts, [1.0, 1.0, 1.0])
+    assert list(rejected) == ["peer2"]
+
+
+def test_sybils_sending_tiny_parts_cannot_get_an_honest_sender_banned() -> None:
+    # reducer peer0 and sender peer1 are honest; three Sybils send near-zero parts to drag the median down
+    honest = [torch.full((64,), 1.0), torch.full((64,), 1.5)]
+    sybils = [torch.full((64,), 1e-6)] * 3
+    value, rejected = _reduce([*honest, *sybils], [1.0] * 5)
+    assert rejected == {}  # before: the lower median was a Sybil's, and both honest parts were 10^6 x over it
+    # without its own part as a yardstick, a reducer leaves the flagged part out but bans nobody
+    _, rejected = _reduce([torch.zeros(64), honest[1], *sybils], [1.0] * 5, claimed_weights=[1.0] * 5)
+    assert rejected == {}
+    # a scaled attack far above the reducer's own part is still banned
+    _, rejected = _reduce([*honest, torch.full((64,), 100.0), *sybils[:2]], [1.0] * 5)
     assert list(rejected) == ["peer2"]
