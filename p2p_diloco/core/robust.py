@@ -61,7 +61,8 @@ def norm_outliers(
     ``anchor``: the index of a vector known to be honest (the reducer's own), or ``None``. The lower median
     is a head count: Sybils sending tiny parts (or claiming large weights) in a group they outnumber would
     push it down until honest parts look like outliers. An anchor's statistic is a floor for the median, so
-    no vector within ``factor`` of an honest one is ever flagged, however many tiny ones surround it.
+    no vector within ``factor`` of an honest one is flagged, however many tiny ones surround it (the swarm's
+    reducers ban only on this anchored screen, ``reduce_part``).
     """
     if factor <= 0:
         return []
@@ -204,22 +205,24 @@ def reduce_part(
       ``parts``; their count is the group size ``n`` of the pre-scaling.
     :param norm_factor: see :func:`norm_outliers`; 0 disables the screen.
     :param claimed_weights: fresh plus late weight per sender, for the norm screen (default sender_weights).
-    :param own: the reducer's own sender index. Its part anchors the norm screen (``norm_outliers``), and
-      only an anchored screen bans: without it (``None``, or the reducer sends zeros in this part) the median
-      is whatever the group's majority, Sybils perhaps, sends, so flagged senders are only left out of this part.
+    :param own: the reducer's own sender index. A part over the median's bound is left out of this part;
+      its sender is banned only when it is also over the bound of the reducer's own part (``norm_outliers``'s
+      anchor): the median is whatever the group's majority, Sybils perhaps, sends, and a ban must rest on
+      this peer's own evidence. Without an own part (``None``, or zeros here) nobody is banned on norms.
     """
     claimed = sender_weights if claimed_weights is None else claimed_weights
     order = sorted(parts)
+    vectors, weights = [parts[i] for i in order], [claimed[i] for i in order]
+    flagged = tuple(order[p] for p in norm_outliers(vectors, norm_factor, weights=weights))
     anchor = order.index(own) if own in parts and bool(parts[own].any()) else None
-    screened = norm_outliers([parts[i] for i in order], norm_factor, weights=[claimed[i] for i in order],
-                             anchor=anchor)
-    flagged = tuple(order[position] for position in screened)
-    outliers, excluded = flagged, ()
-    if anchor is None or parts[order[0]].numel() < MIN_BANNING_VALUES:
+    if anchor is not None and parts[order[0]].numel() >= MIN_BANNING_VALUES:
+        # banned: over the median AND over our own part (the median alone is a head count Sybils can skew)
+        outliers = tuple(order[p] for p in norm_outliers(vectors, norm_factor, weights=weights, anchor=anchor))
+    else:
         # no honest yardstick, or too few values to judge a sender by: leave them out of this part, ban only
         # a non-zero part sent under a zero weight (a contradiction, not a statistical judgement)
         outliers = tuple(i for i in flagged if not float(claimed[i]) > 0)
-        excluded = tuple(i for i in flagged if i not in outliers)
+    excluded = tuple(i for i in flagged if i not in outliers)
     kept = [i for i in order if i not in flagged]
     if not kept:
         return PartResult(None, outliers, "no acceptable contribution", excluded)

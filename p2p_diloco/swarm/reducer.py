@@ -9,9 +9,9 @@ the part is reduced) and only when all have arrived:
 1. drops parts that were rejected on arrival (wrong shape or dtype, NaN or infinite values, or a sender
    banned earlier in this run), and scales a sender's parts down where, summed over this reducer's span,
    they would exceed the norm it announced (``core.bounds``: so its groupmates can bound our output);
-2. drops parts whose weight-normalised L2 norm is more than ``norm_factor`` times the median, or than our own
-   part's, whichever is larger (``core.robust.norm_outliers``); only with our own part as that yardstick, and
-   on parts of at least ``core.robust.MIN_BANNING_VALUES`` values, is the sender rejected for the run;
+2. drops parts whose weight-normalised L2 norm is more than ``norm_factor`` times the median
+   (``core.robust.norm_outliers``); the sender is rejected for the run only when its part is also that far
+   above our own part, and has at least ``core.robust.MIN_BANNING_VALUES`` values;
 3. combines the rest with ``mean``, ``trimmed-mean`` or ``centered-clip``, and rescales so that the result is
    the weighted mean over the accepted senders (``core.robust.reduce_part`` does 2 and 3).
 
