@@ -102,16 +102,28 @@ class Swarm:
     # ------------------------------------------------------------------ records
 
     def all_records(self) -> list[PeerProgress]:
-        """Every valid progress record of this run, any model (to refuse a run of another model)."""
-        return fetch_progress(self.dht, self.cfg.run_id)
+        """Every valid progress record of this run, any model (to refuse a run of another model); empty when
+        the DHT does not answer in time."""
+        return self._fetch_progress() or []
 
     def records(self) -> list[PeerProgress]:
-        """Progress records of this run and model; newly banned record writers are banned in the averager."""
-        records = [r for r in fetch_progress(self.dht, self.cfg.run_id) if r.fingerprint == self.fingerprint]
+        """Progress records of this run and model; newly banned record writers are banned in the averager.
+        When the DHT does not answer in time (``records._DHT_TIMEOUT_S``), the records read last."""
+        fetched = self._fetch_progress()
+        if fetched is None:
+            return list(self._seen)
+        records = [r for r in fetched if r.fingerprint == self.fingerprint]
         for peer, reason in self.audit.take_bans().items():  # the readers skip them already
             self.averager.ban(peer, reason)
         self._seen = records
         return records
+
+    def _fetch_progress(self) -> list[PeerProgress] | None:
+        try:
+            return fetch_progress(self.dht, self.cfg.run_id)
+        except Exception as e:  # noqa: BLE001 - a round API never raises for network trouble
+            logger.warning("Could not read the progress records: %r", e)
+            return None
 
     def take_record_report(self) -> tuple[dict[str, int], list[str]]:
         """Rejected DHT records by kind and record bans since the last call."""
