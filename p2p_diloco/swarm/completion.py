@@ -35,6 +35,11 @@ average that another honest member did not also get. Outcomes can still differ w
 for some members only (as with any agreement over an unreliable network), never toward accepting a partial
 or equivocated average. A hostile member can always make the round fail (it can also just report
 "incomplete"); it cannot make an honest member apply a partial average or get an honest reducer banned.
+
+Cost: one sha256 pass over the averaged parts as they arrive (wire bytes: 1-4 per parameter with the run's
+codec), in executor threads beside the network; about 0.4-0.5 GB/s per core measured on the 2-core test
+machine, so a few seconds per round at 1B parameters, once per round, off the training thread. The check
+itself moves ``33 * (1 + clients)`` floats per reducer.
 """
 
 from __future__ import annotations
