@@ -44,3 +44,29 @@ def test_the_backlog_is_bounded() -> None:
     assert writer.flush(30)
     assert len(ran) <= MAX_SLOTS and ran[-1] == MAX_SLOTS + 9  # the oldest waiting ones were dropped
     writer.close(5)
+
+
+def test_a_peer_publishes_in_the_background_and_reads_never_raise_when_the_dht_is_gone() -> None:
+    import torch
+
+    from p2p_diloco.swarm import SwarmConfig
+    from p2p_diloco.swarm.dht import start_dht
+    from p2p_diloco.swarm.facade import Swarm
+    from p2p_diloco.swarm.signing import record_audit
+
+    cfg = SwarmConfig.for_loopback()
+    swarm = Swarm(cfg, "ab" * 8, [torch.zeros(2)])
+    swarm.dht = start_dht(cfg)  # the real DHT node; no averager is needed for records
+    swarm.audit = record_audit(swarm.dht)
+    try:
+        swarm.publish_progress(epoch=3, inner_step=7, rates=(1.0, 2.0, 3.0))  # returns at once
+        assert swarm.flush_publications(60)
+        assert [(r.epoch, r.inner_step) for r in swarm.records()] == [(3, 7)]
+    finally:
+        swarm.dht.shutdown()
+    # the DHT is gone: reads answer from what was read last (records) or nothing (all_records), never raise
+    assert [r.epoch for r in swarm.records()] == [3]
+    assert swarm.all_records() == []
+    swarm.publish_progress(epoch=4, inner_step=0, rates=(1.0, 2.0, 3.0))  # logged by the writer, not raised
+    assert swarm.flush_publications(60)
+    swarm.close()  # stops the writer (the DHT is already down)
