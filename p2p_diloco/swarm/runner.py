@@ -12,8 +12,8 @@ a reducer that loses a sender bans it and averages each remaining part over the 
 sender whose reducer vanished keeps its OWN values for that reducer's parts. The result is a silently partial
 average (hivemind only logs "received 66.7% results"). ``CountingAllReduceRunner.faults()`` reports what this
 peer can see of that; what it cannot see (another reducer's part being partial) is settled by the group's
-completion check (``completion.py``), which also compares what each
-member received, so a reducer that sends members different averages is caught.
+completion check (``completion.py``), which also compares what each member received (``digests``), so a
+reducer that sends members different averages is caught.
 """
 
 from __future__ import annotations
