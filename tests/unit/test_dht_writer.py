@@ -35,8 +35,9 @@ def test_a_slow_store_never_holds_up_the_caller_and_newer_progress_replaces_wait
 
 def test_the_backlog_is_bounded() -> None:
     writer = DhtWriter()
-    release = threading.Event()
-    writer.submit("hang", lambda: release.wait(30))
+    release, started = threading.Event(), threading.Event()
+    writer.submit("hang", lambda: (started.set(), release.wait(30)))
+    assert started.wait(30)  # the writer is busy: everything below waits in the backlog
     ran: list[int] = []
     for i in range(MAX_SLOTS + 10):
         writer.submit(f"checksum {i}", lambda i=i: ran.append(i))
