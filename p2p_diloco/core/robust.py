@@ -43,7 +43,8 @@ NORM_OUTLIER_FACTOR = 20.0
 
 
 def norm_outliers(
-    vectors: Sequence[torch.Tensor], factor: float, min_count: int = 3, weights: Sequence[float] | None = None
+    vectors: Sequence[torch.Tensor], factor: float, min_count: int = 3, weights: Sequence[float] | None = None,
+    anchor: int | None = None,
 ) -> list[int]:
     """Indices of vectors whose (weight-normalised) L2 norm exceeds ``factor`` times the median of them.
 
@@ -56,6 +57,12 @@ def norm_outliers(
     part: they are neither flagged nor counted in the median. A non-zero vector claiming zero weight is
     flagged. With fewer than ``min_count`` non-zero vectors nobody is flagged (with two there is no telling
     which one is off). ``factor <= 0`` disables the screen.
+
+    ``anchor``: the index of a vector known to be honest (the reducer's own), or ``None``. The lower median
+    is a head count: Sybils sending tiny parts (or claiming large weights) in a group they outnumber would
+    push it down until honest parts look like outliers. An anchor's statistic is a floor for the median, so
+    no vector within ``factor`` of an honest one is flagged, however many tiny ones surround it (the swarm's
+    reducers ban only on this anchored screen, ``reduce_part``).
     """
     if factor <= 0:
         return []
@@ -73,6 +80,8 @@ def norm_outliers(
     if len(stats) >= min_count:
         ordered = sorted(stats.values())
         median = ordered[(len(ordered) - 1) // 2]  # the lower median: one huge outlier cannot raise it
+        if anchor is not None and anchor in stats:
+            median = max(median, stats[anchor])  # ...and Sybils cannot lower it below an honest part
         flagged += [i for i, stat in stats.items() if stat > factor * median]
     return sorted(flagged)
 
@@ -151,6 +160,18 @@ class PartResult:
     too, and the averager bans them for the run)."""
     fault: str | None = None
     """Why ``value`` is ``None``."""
+    excluded: tuple[int, ...] = ()
+    """Sender indices the norm screen left out of this part only: its part is too small
+    (``MIN_BANNING_VALUES``) for its norm to say anything about the sender, so nobody is banned on it."""
+
+
+MIN_BANNING_VALUES = 64
+"""Fewest values a part needs for the norm screen to ban on it. The norm of a part of one value (a bias of one
+value, the remainder of a tensor's split) is one coordinate of a pseudo-gradient, and a coordinate of honest
+pseudo-gradients differs between peers by orders of magnitude: the screen flagged honest peers there. On a
+smaller part the screen still leaves flagged values out of that part's average (a sender could put its whole
+norm budget into one coordinate), but bans nobody. From 64 values up a norm concentrates (its relative spread
+is about ``1/sqrt(2 * values)`` for like-distributed values), far inside the screen's factor of 20."""
 
 
 def rescale_factor(sender_weights: Sequence[float], accepted: Sequence[int]) -> float | None:
@@ -175,6 +196,7 @@ def reduce_part(
     method: str,
     norm_factor: float,
     claimed_weights: Sequence[float] | None = None,
+    own: int | None = None,
 ) -> PartResult:
     """One reducer's work on one part: norm screen, ``aggregate`` with ``method``, rescale.
 
@@ -183,19 +205,33 @@ def reduce_part(
       ``parts``; their count is the group size ``n`` of the pre-scaling.
     :param norm_factor: see :func:`norm_outliers`; 0 disables the screen.
     :param claimed_weights: fresh plus late weight per sender, for the norm screen (default sender_weights).
+    :param own: the reducer's own sender index. A part over the median's bound is left out of this part;
+      its sender is banned only when it is also over the bound of the reducer's own part (``norm_outliers``'s
+      anchor): the median is whatever the group's majority, Sybils perhaps, sends, and a ban must rest on
+      this peer's own evidence. Without an own part (``None``, or zeros here) nobody is banned on norms.
     """
     claimed = sender_weights if claimed_weights is None else claimed_weights
     order = sorted(parts)
-    screened = norm_outliers([parts[i] for i in order], norm_factor, weights=[claimed[i] for i in order])
-    outliers = tuple(order[position] for position in screened)
-    kept = [i for i in order if i not in outliers]
+    vectors, weights = [parts[i] for i in order], [claimed[i] for i in order]
+    flagged = tuple(order[p] for p in norm_outliers(vectors, norm_factor, weights=weights))
+    anchor = order.index(own) if own in parts and bool(parts[own].any()) else None
+    if anchor is not None and parts[order[0]].numel() >= MIN_BANNING_VALUES:
+        # banned: over the median AND over our own part (the median alone is a head count Sybils can skew)
+        outliers = tuple(order[p] for p in norm_outliers(vectors, norm_factor, weights=weights, anchor=anchor))
+    else:
+        # no honest yardstick, or too few values to judge a sender by: leave them out of this part, ban only
+        # a non-zero part sent under a zero weight (a contradiction, not a statistical judgement)
+        outliers = tuple(i for i in flagged if not float(claimed[i]) > 0)
+    excluded = tuple(i for i in flagged if i not in outliers)
+    kept = [i for i in order if i not in flagged]
     if not kept:
-        return PartResult(None, outliers, "no acceptable contribution")
+        return PartResult(None, outliers, "no acceptable contribution", excluded)
     combined = aggregate([parts[i] for i in kept], method)
     scale = rescale_factor(sender_weights, kept)
     if scale is None:
-        return PartResult(None, outliers, "every sender of fresh work was rejected")
-    return PartResult(combined if scale == 1.0 else (combined.double() * scale).to(combined.dtype), outliers)
+        return PartResult(None, outliers, "every sender of fresh work was rejected", excluded)
+    value = combined if scale == 1.0 else (combined.double() * scale).to(combined.dtype)
+    return PartResult(value, outliers, excluded=excluded)
 
 
 def part_size_values(part_size_bytes: int, bits_per_value: float) -> int:
@@ -291,6 +327,7 @@ class GroupReduction:
                 weights,
                 method=self.method,
                 norm_factor=self.norm_factor,
+                own=owner,
             )
             for sender in result.outliers:
                 rejected[owner][sender] = (

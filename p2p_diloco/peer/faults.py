@@ -15,6 +15,9 @@ entries, optionally ``ACTION@EPOCH=VALUE``:
   must reject or out-vote these;
 - ``hostile_reducer@E=FACTOR``: as a reducer in epoch E, send the groupmates the first averaged part
   multiplied by FACTOR (a hostile reducer). Members must refuse it and ban this peer;
+- ``equivocate@E=FACTOR``: as a reducer in epoch E, send ONE groupmate the first averaged part multiplied by
+  FACTOR and the others the true one (equivocation; a FACTOR below 1 stays within every bound). The
+  completion check must catch it: nobody applies the round, that groupmate bans this peer;
 - ``stall_leader@E=SECONDS``: as the leader of the epoch-E group, block the averager's event loop for SECONDS
   right before assembling the group (an overloaded machine). Its followers must still be there.
 
@@ -49,9 +52,10 @@ ACTIONS = (
     "byzantine",
     "nan_input",
     "hostile_reducer",
+    "equivocate",
     "stall_leader",
 )
-_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine", "hostile_reducer", "stall_leader")
+_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine", "hostile_reducer", "equivocate", "stall_leader")
 
 
 @dataclass(frozen=True)
@@ -173,10 +177,11 @@ class FaultPlan(FaultHooks):
         if stage == "announce":
             i = self._pending("byzantine")
             return None if i is None else self.faults[i].value
-        if stage == "corrupt_output":
-            fault = self._find("hostile_reducer")
+        if stage in ("corrupt_output", "equivocate"):
+            action = "hostile_reducer" if stage == "corrupt_output" else "equivocate"
+            fault = self._find(action)
             if fault:
-                self.record("hostile_reducer", self._epoch.value)
+                self.record(action, self._epoch.value)
                 return fault.value
             return None
         if stage == "corrupt_input":

@@ -44,6 +44,7 @@ class SwarmPort:
         """Whom this peer believes (``core.evidence``); its ``me`` is set in :meth:`start`."""
         self.claims: list[Claim] = []
         """The epoch claims of the records read last (non-client peers)."""
+        self._records: list[PeerProgress] | None = None  # read by the last records()
         self.listeners, self.faults, self.eager = listeners, faults, eager
         self.overlap: EagerOverlap | None = None
         self.peers_visible = 0
@@ -89,7 +90,7 @@ class SwarmPort:
 
     def records(self) -> list[PeerProgress]:
         """This run's and model's progress records; tracks who is visible and tells the listeners."""
-        records = self.swarm.records()
+        records = self._records = self.swarm.records()
         self.peers_visible = len(records)
         if any(r.peer_id != self.swarm.peer_id for r in records):
             self.last_seen_others = time.monotonic()
@@ -98,9 +99,12 @@ class SwarmPort:
         return records
 
     def trusted_speeds(self) -> list[tuple[str, float]]:
-        """``(peer id, steps/s)`` published by the trusted peers among this run's records (read now): what
-        DyLU may compare with. Untrusted speeds are free claims that would shrink everybody's H."""
-        return [(r.peer_id, r.steps_per_s) for r in self.records()
+        """``(peer id, steps/s)`` published by the trusted peers among this run's records: what DyLU may
+        compare with. Untrusted speeds are free claims that would shrink everybody's H. The records are those
+        the round's observation read last (read now only before the first): this runs on the training thread
+        right before the inner phase, which must not wait on the DHT."""
+        records = self._records if self._records is not None else self.records()
+        return [(r.peer_id, r.steps_per_s) for r in records
                 if r.peer_id != self.swarm.peer_id and r.steps_per_s > 0 and self.evidence.trusts(r.peer_id)]
 
     def trusted_or_none(self) -> frozenset[str] | None:

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streamin
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
+from p2p_diloco.swarm.claims import unsigned_payload
 from p2p_diloco.swarm.group import decode_gather
 from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.quorum import EarlyAssembly
@@ -91,8 +92,8 @@ class AccessControlMixin:
         if control is None:
             return None  # not looking for a group: hivemind's own answer follows
         try:
-            theirs = decode_gather(gather)[2].epoch
-            ours = decode_gather(control.data_for_gather)[2].epoch
+            theirs = decode_gather(unsigned_payload(gather))[2].epoch  # checked again, signed, in plan_group
+            ours = decode_gather(unsigned_payload(control.data_for_gather))[2].epoch
         except ValueError:
             return None  # malformed metadata is refused, with its reason, by plan_group
         return None if theirs == ours else f"its epoch {theirs} differs from ours {ours}"

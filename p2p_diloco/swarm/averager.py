@@ -40,6 +40,8 @@ from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
+from p2p_diloco.swarm.claims import open_gathered, sign_gather, signing_key
+from p2p_diloco.swarm.completion import confirm_complete
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
     DEFAULT_MAX_ROUND_WEIGHT,
@@ -58,14 +60,12 @@ from p2p_diloco.swarm.runner import (
     CountingAllReduceRunner,
     FaultHook,
     RunnerFactory,
-    confirm_complete,
     no_faults,
     run_allreduce,
 )
 from p2p_diloco.swarm.state import StateSharingMixin
 
 logger = logging.getLogger(__name__)
-
 _HOST_GRACE_S = 10.0
 
 
@@ -132,7 +132,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             raise ValueError("pseudo-gradients must have floating-point dtypes")
         if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
             raise ValueError(f"fingerprint must be 8-64 lowercase hex characters, got {fingerprint!r}")
-        self.cfg, self.fingerprint = cfg, fingerprint
+        self.cfg, self.fingerprint, self._claim_key = cfg, fingerprint, signing_key(dht)  # signs our metadata
         self.num_tensors = len(template)
         self._layout = [(tuple(t.shape), t.dtype) for t in template]
         buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
@@ -243,8 +243,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             return RoundResult(Outcome.SKIPPED, "the averager process is not running", epoch)
         with self._locked_buffers(budget) as buffers:
             if buffers is None:
-                return RoundResult(Outcome.SKIPPED, "the averaging buffers stayed busy (a previous round still runs)", epoch
-                )
+                return RoundResult(Outcome.SKIPPED, "the averaging buffers stayed busy (a previous round runs)", epoch)
             for src, dst in zip(fresh if has_fresh else (), buffers, strict=False):
                 if src.data_ptr() != dst.data_ptr():  # written in place through fresh_buffers(): no copy
                     dst.copy_(src.detach())
@@ -252,8 +251,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         stale_shared = [src.detach().to("cpu", copy=True).share_memory_() for src in stale] if has_stale else None
         try:
             deadlines = self.deadlines.next_round()
-            control = self._begin_step(encode_gather(self.bandwidth, self.mode, info), tuple(due), deadlines,
-                                       stale_shared)
+            gather = sign_gather(encode_gather(self.bandwidth, self.mode, info), self._claim_key)
+            control = self._begin_step(gather, tuple(due), deadlines, stale_shared)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
@@ -452,7 +451,7 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         began = time.monotonic()
         plan = plan_group(
             group_info.peer_ids,
-            group_info.gathered,
+            open_gathered(group_info.peer_ids, group_info.gathered),  # each member's own signed claim
             self.peer_id,
             min_group_size=self.cfg.min_group_size,
             max_weight=self.cfg.max_round_weight or DEFAULT_MAX_ROUND_WEIGHT,
@@ -461,8 +460,8 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
         )
         rejected = dict(plan.rejected)
         result.contributors = tuple(p.to_base58() for p in plan.peer_ids)
-        result.weights = tuple(m.weight for m in plan.members)
-        result.stale_weights = tuple(m.stale_weight for m in plan.members)
+        result.weights, result.stale_weights = (tuple(m.weight for m in plan.members),
+                                                tuple(m.stale_weight for m in plan.members))
         result.stalenesses = tuple(m.staleness for m in plan.members)
         result.refused = tuple(f"{peer}: {reason}" for peer, reason in plan.refused)
         result.with_stale = plan.with_stale
@@ -519,13 +518,14 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, D
             result.rejected = tuple(self._ban(rejected))
             if self._fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")
-            confirmed, detail = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id)
+            check = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id, runner)
+            result.rejected = tuple(self._ban(rejected | check.equivocators))
         result.allreduce_seconds = time.monotonic() - began
         result.bytes_sent, result.bytes_received = counter.sent, counter.received
         if faults:
             return result.skip("partial all-reduce: " + "; ".join(faults))
-        if not confirmed:
-            return result.skip(detail)
+        if not check.confirmed:
+            return result.skip(check.detail)
         result.outcome, result.reason = Outcome.AVERAGED, ""
         if plan.with_stale:
             result.stale_term = list(stale)

@@ -19,6 +19,7 @@ from p2p_diloco.core.rounds import RoundResult
 from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
+from p2p_diloco.swarm.dht_writer import DhtWriter
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import (
     PeerProgress,
@@ -54,6 +55,7 @@ class Swarm:
         self.averager: RoundAverager | None = None
         self.server: StateServer | None = None
         self.audit: RecordAudit | None = None
+        self._writer = DhtWriter()
         self._seen: list[PeerProgress] = []
         """The progress records :meth:`records` read last: who is due in the next round."""
 
@@ -65,6 +67,7 @@ class Swarm:
         self.server = StateServer(self.averager)
 
     def close(self) -> None:
+        self._writer.close(self.cfg.shutdown_timeout_s)  # the last progress and checksum go out first
         if self.averager is not None:
             self.averager.shutdown()
         if self.dht is not None:
@@ -99,29 +102,45 @@ class Swarm:
     # ------------------------------------------------------------------ records
 
     def all_records(self) -> list[PeerProgress]:
-        """Every valid progress record of this run, any model (to refuse a run of another model)."""
-        return fetch_progress(self.dht, self.cfg.run_id)
+        """Every valid progress record of this run, any model (to refuse a run of another model); empty when
+        the DHT does not answer in time."""
+        return self._fetch_progress() or []
 
     def records(self) -> list[PeerProgress]:
-        """Progress records of this run and model; newly banned record writers are banned in the averager."""
-        records = [r for r in fetch_progress(self.dht, self.cfg.run_id) if r.fingerprint == self.fingerprint]
+        """Progress records of this run and model; newly banned record writers are banned in the averager.
+        When the DHT does not answer in time (``records._DHT_TIMEOUT_S``), the records read last."""
+        fetched = self._fetch_progress()
+        if fetched is None:
+            return list(self._seen)
+        records = [r for r in fetched if r.fingerprint == self.fingerprint]
         for peer, reason in self.audit.take_bans().items():  # the readers skip them already
             self.averager.ban(peer, reason)
         self._seen = records
         return records
+
+    def _fetch_progress(self) -> list[PeerProgress] | None:
+        try:
+            return fetch_progress(self.dht, self.cfg.run_id)
+        except Exception as e:  # noqa: BLE001 - a round API never raises for network trouble
+            logger.warning("Could not read the progress records: %r", e)
+            return None
 
     def take_record_report(self) -> tuple[dict[str, int], list[str]]:
         """Rejected DHT records by kind and record bans since the last call."""
         return self.audit.take_report()
 
     def publish_progress(self, *, epoch: int, inner_step: int, rates: tuple[float, float, float]) -> None:
+        """Publish this peer's progress in the background (``dht_writer``): returns at once, a newer call
+        replaces one the DHT has not taken yet."""
         steps_s, samples_s, tokens_s = rates
-        try:
-            publish_progress(self.dht, self.cfg.run_id, epoch=epoch, inner_step=inner_step, steps_per_s=steps_s,
-                             samples_per_s=samples_s, tokens_per_s=tokens_s, fingerprint=self.fingerprint,
-                             client_mode=self.cfg.client_mode, ttl_s=self.cfg.progress_ttl_s)
-        except Exception as e:  # noqa: BLE001 - a missed progress update must not stop training
-            logger.warning("Could not publish progress: %s", e)
+        dht, run_id, fingerprint, cfg = self.dht, self.cfg.run_id, self.fingerprint, self.cfg
+        self._writer.submit("progress", lambda: publish_progress(
+            dht, run_id, epoch=epoch, inner_step=inner_step, steps_per_s=steps_s, samples_per_s=samples_s,
+            tokens_per_s=tokens_s, fingerprint=fingerprint, client_mode=cfg.client_mode, ttl_s=cfg.progress_ttl_s))
+
+    def flush_publications(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until what was published reached the DHT (or failed); whether it did."""
+        return self._writer.flush(timeout)
 
     def checksum_votes(self, epoch: int) -> dict[str, str]:
         """The valid checksums published for ``epoch`` by peers not banned: peer id -> digest (empty when the
@@ -140,12 +159,9 @@ class Swarm:
         before changing them); publish its checksum too when ``checksum``. Returns its digest
         (``checksum.state_sha256``; ``sha``: the anchors' sha256 when the caller hashed them already)."""
         sha = self.server.publish(anchors, momentum, epoch, sha)
-        if not checksum:
-            return sha
-        try:
-            publish_checksum(self.dht, self.cfg.run_id, epoch, sha, ttl_s=self.cfg.checksum_ttl_s)
-        except ValueError as e:
-            logger.warning("Could not publish the checksum of epoch %d: %s", epoch, e)
+        if checksum:  # in the background, as progress
+            dht, run_id, ttl_s, digest = self.dht, self.cfg.run_id, self.cfg.checksum_ttl_s, sha
+            self._writer.submit(f"checksum {epoch}", lambda: publish_checksum(dht, run_id, epoch, digest, ttl_s=ttl_s))
         return sha
 
     def withdraw(self) -> None:

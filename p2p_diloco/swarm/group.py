@@ -284,7 +284,7 @@ def implausible_weights(
 
 def plan_group(
     peer_ids: Sequence[PeerID],
-    gathered: Sequence[bytes],
+    gathered: Sequence[bytes | str],
     me: PeerID,
     *,
     min_group_size: int,
@@ -294,7 +294,8 @@ def plan_group(
 ) -> GroupPlan:
     """Decide who averages with whom and in which layout, from the group's gathered metadata.
 
-    A member is compatible when its metadata parses and it announces our run id, model fingerprint and
+    ``gathered`` holds each member's verified metadata (``claims.open_gathered``) or why it was refused. A
+    member is compatible when its metadata parses and it announces our run id, model fingerprint and
     epoch; the others are refused (never average tensors of a different model or round). Because every
     compatible member compares against the same values, they all compute the same subset, and the all-reduce
     proceeds over it; a refused member, comparing against its own values, ends up in a different subset.
@@ -306,6 +307,9 @@ def plan_group(
         raise ValueError("group description is inconsistent")
     decoded: list[tuple[float | None, AveragingMode, MemberInfo] | str] = []
     for raw in gathered:
+        if isinstance(raw, str):  # refused before planning (claims.open_gathered: unsigned, forged)
+            decoded.append(raw)
+            continue
         try:
             decoded.append(decode_gather(raw))
         except ValueError as e:

@@ -10,7 +10,8 @@ the part is reduced) and only when all have arrived:
    banned earlier in this run), and scales a sender's parts down where, summed over this reducer's span,
    they would exceed the norm it announced (``core.bounds``: so its groupmates can bound our output);
 2. drops parts whose weight-normalised L2 norm is more than ``norm_factor`` times the median
-   (``core.robust.norm_outliers``);
+   (``core.robust.norm_outliers``); the sender is rejected for the run only when its part is also that far
+   above our own part, and has at least ``core.robust.MIN_BANNING_VALUES`` values;
 3. combines the rest with ``mean``, ``trimmed-mean`` or ``centered-clip``, and rescales so that the result is
    the weighted mean over the accepted senders (``core.robust.reduce_part`` does 2 and 3).
 
@@ -61,6 +62,7 @@ class RobustPartReducer(TensorPartReducer):
     :param limits: per sender, the L2 norm its fresh and stale parts may reach together
       (``GroupPlan.sender_limits``); ``None`` clips nothing.
     :param regions: per part, 0 when it belongs to a fresh tensor and 1 for a stale one (needed with ``limits``).
+    :param own: our own sender index: our part anchors the norm screen (``core.robust.reduce_part``).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class RobustPartReducer(TensorPartReducer):
         banned: frozenset[str] = frozenset(),
         limits: Sequence[tuple[float, float]] | None = None,
         regions: Sequence[int] = (),
+        own: int | None = None,
     ):
         if len(sender_ids) != len(sender_weights):
             raise ValueError("one weight per sender is needed")
@@ -90,7 +93,7 @@ class RobustPartReducer(TensorPartReducer):
         self.sender_weights = tuple(float(w) for w in sender_weights)
         # Fresh plus late weight: what the norm screen normalises by (see core.robust.norm_outliers).
         self.claimed_weights = tuple(float(w) for w in (claimed_weights or sender_weights))
-        self.method, self.norm_factor = method, norm_factor
+        self.method, self.norm_factor, self.own = method, norm_factor, own
         self.rejections: dict[int, str] = {
             i: "banned earlier in this run" for i, peer in enumerate(sender_ids) if peer in banned
         }
@@ -166,7 +169,7 @@ class RobustPartReducer(TensorPartReducer):
         # The same function the simulator reduces with (core.robust.GroupReduction), so its losses are ours.
         try:
             result = reduce_part(accepted, self.sender_weights, method=self.method, norm_factor=self.norm_factor,
-                                 claimed_weights=self.claimed_weights)
+                                 claimed_weights=self.claimed_weights, own=self.own)
         except Exception as e:  # the part must still complete (as a fault, which makes the round skip)
             logger.exception("Could not reduce part %d", self.current_part_index)
             result = PartResult(None, (), f"reduction failed: {e!r}")

@@ -16,7 +16,7 @@ from typing import Any
 
 from hivemind.averaging.group_info import GroupInfo
 
-from p2p_diloco.swarm.runner import STATUS_SUFFIX
+from p2p_diloco.swarm.completion import STATUS_SUFFIX
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,14 @@ a reducer that loses a sender bans it and averages each remaining part over the 
 sender whose reducer vanished keeps its OWN values for that reducer's parts. The result is a silently partial
 average (hivemind only logs "received 66.7% results"). ``CountingAllReduceRunner.faults()`` reports what this
 peer can see of that; what it cannot see (another reducer's part being partial) is settled by the group's
-completion check in ``averager.py``.
+completion check (``completion.py``), which also compares what each member received (``digests``), so a
+reducer that sends members different averages is caught.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import BannedException, TensorPartReducer
-from hivemind.compression import NoCompression, deserialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID, StubBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
@@ -68,7 +70,8 @@ FaultHook = Callable[[str], "bool | float | None"]
 """Called inside the averager process at named stages: "allreduce_begin", "corrupt_input" (returning a number
 multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzantine sender), "announce" (on
 the host, without firing: the same factor, applied to the announced norms), "corrupt_output" (returning a
-number multiplies the averaged parts this member sends as a reducer: a hostile reducer), "part_sent"
+number multiplies the averaged parts this member sends as a reducer: a hostile reducer), "equivocate"
+(the same, but only for the last other sender: an equivocating reducer), "part_sent"
 (after the first part went to a remote reducer) and "confirm" (returning ``False`` there makes this member
 report an incomplete all-reduce), and "assemble" (a leader, right before it forms its group). Tests use it
 to kill or sabotage a peer at a precise moment; production code leaves it ``None``."""
@@ -78,8 +81,6 @@ def no_faults(stage: str) -> None:
     """The production fault hook: no stage does anything."""
     return None
 
-STATUS_SUFFIX = b".done"
-"""Group id suffix of the completion check that follows each all-reduce."""
 RECEIVED_ALL = averaging_pb2.AVERAGED_PART
 """Code of the message a sender appends to its input stream once it holds every averaged part of that reducer.
 
@@ -115,6 +116,15 @@ class _Replies:
     compression_type: int | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once all ``expected`` parts arrived or the reply stream ended (see RECEIVED_ALL)."""
+    digest: Any = field(default_factory=hashlib.sha256)
+    """Hash of the averaged parts received so far, as sent (see ``completion``)."""
+
+
+async def _hash_part(digest: Any, part: runtime_pb2.Tensor) -> None:
+    """Add one serialized averaged part to ``digest`` (hashlib releases the GIL: hashed in a thread)."""
+    header = f"{part.compression}|{part.dtype}|{tuple(part.size)}|{len(part.buffer)}|".encode()
+    await asyncio.get_running_loop().run_in_executor(None, lambda: (digest.update(header),
+                                                                     digest.update(part.buffer)))
 
 
 async def _count_received(
@@ -132,6 +142,7 @@ async def _count_received(
                         raise ValueError(f"reducer's averaged part {replies.received}: {problem}")
                 elif replies.shapes:
                     raise ValueError(f"reducer sent more than the {len(replies.shapes)} expected parts")
+                await _hash_part(replies.digest, message.tensor_part)
                 replies.received += 1
                 if replies.received >= replies.expected:
                     replies.done.set()
@@ -201,11 +212,15 @@ class CountingAllReduceRunner(AllReduceRunner):
         robust: dict[str, Any] | None = None,
         bounds: tuple[float, float] | None = None,
         fresh_tensors: int = 0,
+        part_reducer: Callable[[CountingAllReduceRunner], TensorPartReducer] | None = None,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
         my_index = self.ordered_peer_ids.index(self.peer_id)
-        if robust is not None:
+        if part_reducer is not None:  # e.g. the completion check's (see completion.OwnerPickReducer)
+            self.tensor_part_reducer.finished.set()
+            self.tensor_part_reducer = part_reducer(self)
+        elif robust is not None:
             # replace hivemind's trusting reducer before any part can arrive (nothing awaited since __init__)
             self.tensor_part_reducer.finished.set()  # retire it silently
             parts = self.parts_for_local_averaging
@@ -214,6 +229,7 @@ class CountingAllReduceRunner(AllReduceRunner):
                 parts[0].dtype if parts else torch.float32,
                 [peer.to_base58() for peer in self.sender_peer_ids],
                 regions=part_regions(self.tensor_part_container, my_index, fresh_tensors),
+                own=self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None,
                 **robust,
             )
         self._check: AverageCheck | None = None
@@ -241,6 +257,9 @@ class CountingAllReduceRunner(AllReduceRunner):
         self._compression_type = getattr(self.tensor_part_container.compression, "compression_type", None)
         self._averaged_parts: dict[int, asyncio.Future[runtime_pb2.Tensor]] = {}
         self._replies: dict[int, _Replies] = {}  # per reducer index
+        self._own_digest = hashlib.sha256()  # of the averages our reducer sent (see completion)
+        others = [i for i, peer in enumerate(self.sender_peer_ids) if peer != self.peer_id]
+        self._equivocation_target = others[-1] if others else -1  # test-only, see FaultHook "equivocate"
         self._reducer_failures: dict[PeerID, str] = {}
 
     def should_delay_results(self, peer_id: PeerID) -> bool:
@@ -284,9 +303,26 @@ class CountingAllReduceRunner(AllReduceRunner):
                 self.tensor_part_reducer, sender_index, part_index, tensor_part, self.weight
             )
             serialized = await self._serialized_average(part_index, averaged_part)
+            await _hash_part(self._own_digest, serialized)
             self.tensor_part_container.register_processed_part(
                 peer_index, part_index, deserialize_torch_tensor(serialized)
             )
+
+    async def _equivocated(self, part_index: int, averaged_part: torch.Tensor,
+                           serialized: runtime_pb2.Tensor) -> runtime_pb2.Tensor:
+        """Test-only: what an equivocating reducer sends its last other sender instead (FaultHook)."""
+        factor = self._fault_hook("equivocate")
+        if not isinstance(factor, float):
+            return serialized
+        info, compression = self._my_part_infos[part_index], self.tensor_part_container.compression
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: compression.compress(averaged_part * factor, info, allow_inplace=False))
+
+    def digests(self) -> list[bytes]:
+        """Per member of the group, the sha256 of the averaged parts this peer got from it as a reducer (ours:
+        those we sent); ``sha256(b"")`` for members that reduce nothing. Read once the all-reduce ended."""
+        return [self._own_digest.digest() if peer == self.peer_id else self._replies_from(i).digest.digest()
+                for i, peer in enumerate(self.ordered_peer_ids)]
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -315,6 +351,8 @@ class CountingAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     break
                 serialized = await self._serialized_average(part_index, averaged_part)
+                if sender_index == self._equivocation_target:
+                    serialized = await self._equivocated(part_index, averaged_part, serialized)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         except (asyncio.TimeoutError, TimeoutError):
@@ -446,28 +484,3 @@ async def run_allreduce(runner: CountingAllReduceRunner, tensors: Sequence[torch
     except Exception as e:
         return [f"all-reduce failed: {e!r}", *runner.faults()]
     return runner.faults()
-
-
-async def confirm_complete(
-    make_runner: RunnerFactory, complete: bool, peer_ids: Sequence[PeerID], me: PeerID
-) -> tuple[bool, str]:
-    """The completion check: a second, tiny all-reduce in the same group.
-
-    Member ``k`` of ``n`` contributes ``n * complete_k`` at position ``k`` and zeros elsewhere, so the mean is
-    all ones exactly when every member saw a complete first all-reduce and every member took part in this
-    one; a member that died, or a failure of this check itself, leaves an entry below one. A member that
-    sees a fault in this check gives up, but the others may still confirm: outcomes can differ between
-    members (as with any agreement over an unreliable network), never in the direction of accepting a
-    partial average.
-    """
-    n = len(peer_ids)
-    status = torch.zeros(n)
-    status[list(peer_ids).index(me)] = float(n) if complete else 0.0
-    runner = make_runner([status], STATUS_SUFFIX, compression=NoCompression())
-    faults = await run_allreduce(runner, [status])
-    if faults:
-        return False, "completion check incomplete: " + "; ".join(faults)
-    incomplete = [peer_ids[i].to_base58() for i in range(n) if abs(float(status[i]) - 1.0) > 1e-3]
-    if incomplete:
-        return False, f"{len(incomplete)} member(s) did not complete the all-reduce: {', '.join(incomplete)}"
-    return True, ""

@@ -136,6 +136,7 @@ def parse_signed_subkey(subkey: Any) -> tuple[str, str] | str:
 
 
 _SIGNERS: weakref.WeakKeyDictionary[hivemind.DHT, bytes] = weakref.WeakKeyDictionary()
+_SIGNING_KEYS: weakref.WeakKeyDictionary[hivemind.DHT, RSAPrivateKey] = weakref.WeakKeyDictionary()
 
 
 def register_signer(dht: hivemind.DHT, key: RSAPrivateKey) -> None:
@@ -145,6 +146,16 @@ def register_signer(dht: hivemind.DHT, key: RSAPrivateKey) -> None:
     if owner != dht.peer_id.to_base58():
         raise ValueError(f"the signing key belongs to peer {owner}, the node runs as {dht.peer_id}")
     _SIGNERS[dht] = subkey
+    _SIGNING_KEYS[dht] = key
+
+
+def signing_key(dht: hivemind.DHT) -> RSAPrivateKey:
+    """The identity key ``dht`` signs with (its group metadata too, ``claims``); only nodes started by
+    ``dht.start_dht`` have one."""
+    key = _SIGNING_KEYS.get(dht)
+    if key is None:
+        raise RuntimeError("this DHT has no identity key to sign with; start it with swarm.start_dht")
+    return key
 
 
 def own_subkey(dht: hivemind.DHT) -> bytes:

@@ -24,7 +24,7 @@ from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SHAPES = [[6, 8], [10]]
+SHAPES = [[8, 8], [64]]  # parts of 64 values: enough for the norm screen to ban on (core.robust)
 
 
 @pytest.fixture
@@ -101,4 +101,32 @@ def test_a_hostile_reducer_is_refused_by_every_member_and_banned(swarm: Swarm) -
         assert "above" in reasons[evil_id] and "honest reducer" in reasons[evil_id], reasons
         assert set(reasons) == {evil_id}, reasons  # no honest member is blamed
     # the reducer itself hears that its groupmates did not complete, so nobody applies the round
+    assert results["evil"]["outcome"] == "skipped"
+
+
+def test_an_equivocating_reducer_is_caught_by_the_completion_check_and_named(swarm: Swarm) -> None:
+    # evil sends one groupmate its first averaged part times 0.5 (within every bound) and the other the true
+    # one; only comparing what each member received can tell
+    cfg = dict(run_id="equivocate", min_group_size=3, target_group_size=3, matchmaking_time_s=4.0,
+               matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,
+               part_size_bytes=1024, request_timeout_s=3.0)
+    common = dict(role="average", shapes=[[64, 32], [500]], fingerprint="abcdef0123456789", cfg=cfg)
+    honest = [swarm.spawn(f"h{v}", fresh=float(v), weight=1.0, **common) for v in (1, 2)]
+    evil = swarm.spawn("evil", fresh=1.0, weight=1.0, faults="equivocate@0=0.5", **common)
+    swarm.wait_ready(timeout=120)
+    results = {p.name: swarm.result(p, timeout=120) for p in [*honest, evil]}
+    assert "FAULT FIRED equivocate@0" in evil.log_tail(10**6)
+    evil_id = evil.info["peer_id"]
+    honest_ids = {p.info["peer_id"] for p in honest}
+    banned_by = []
+    for peer in honest:
+        result = results[peer.name]
+        assert result["outcome"] == "skipped" and result["fresh_mean"] is None, result
+        assert "different averages" in result["reason"], result["reason"]
+        reasons = dict(entry.split(": ", 1) for entry in result["rejected"])
+        assert not set(reasons) & honest_ids, reasons  # no honest member is blamed
+        if evil_id in reasons:
+            assert "equivocation" in reasons[evil_id] and evil_id in result["reason"], result
+            banned_by.append(peer.name)
+    assert len(banned_by) == 1, results  # the member it lied to names and bans it
     assert results["evil"]["outcome"] == "skipped"

@@ -76,7 +76,7 @@ def _reduce(parts: list[torch.Tensor], weights: list[float], **options: object) 
             torch.float32,
             [f"peer{i}" for i in range(len(parts))],
             weights,
-            **{"method": "mean", "norm_factor": 20.0, **options},  # type: ignore[arg-type]
+            **{"method": "mean", "norm_factor": 20.0, "own": 0, **options},  # type: ignore[arg-type]
         )
         results = await asyncio.gather(
             *(reducer.accumulate_part(i, 0, part) for i, part in enumerate(parts))
@@ -103,11 +103,11 @@ def test_reducer_rejects_nan_wrong_shape_and_dtype_and_renormalises_the_rest() -
 
 
 def test_reducer_drops_banned_senders_and_norm_outliers() -> None:
-    parts = [torch.full((4,), 1.0), torch.full((4,), 1.2), torch.full((4,), 0.8), torch.full((4,), 1e6)]
+    parts = [torch.full((64,), 1.0), torch.full((64,), 1.2), torch.full((64,), 0.8), torch.full((64,), 1e6)]
     result, rejected = _reduce(parts, [1.0] * 4, banned=frozenset({"peer1"}))
     assert rejected["peer1"] == "banned earlier in this run"
     assert "norm" in rejected["peer3"]
-    torch.testing.assert_close(result, torch.full((4,), 0.9))
+    torch.testing.assert_close(result, torch.full((64,), 0.9))
 
 
 def test_reducer_with_centered_clip_outvotes_a_sign_flip_attack() -> None:
@@ -162,7 +162,7 @@ def test_group_reduction_is_the_weighted_mean_and_bans_a_caught_attacker_for_goo
     from p2p_diloco.core.robust import GroupReduction, assign_parts, split_parts
 
     def senders(seed: int, attack: float) -> list[list[torch.Tensor]]:
-        out = [[v.reshape(8, 8), 2 * v[:10]] for v in _honest(5, seed=seed)]
+        out = [[v.reshape(8, 80), 2 * v[:100]] for v in _honest(5, dim=640, seed=seed)]  # parts of >= 64 values
         out[4] = [attack * t for t in out[4]]
         return out
 
@@ -170,7 +170,7 @@ def test_group_reduction_is_the_weighted_mean_and_bans_a_caught_attacker_for_goo
         return [sum(w * v[i] for w, v in zip(weights, vectors, strict=True)) / sum(weights) for i in range(2)]
 
     weights = [1.0, 3.0, 2.0, 2.0, 2.0]
-    reduction = GroupReduction(5, method="mean", norm_factor=20.0, values_per_part=16)
+    reduction = GroupReduction(5, method="mean", norm_factor=20.0, values_per_part=64)
     clean = senders(0, 1.0)
     for got, exact in zip(reduction.reduce(clean, weights), weighted_mean(clean, weights), strict=True):
         torch.testing.assert_close(got, exact)
@@ -182,8 +182,8 @@ def test_group_reduction_is_the_weighted_mean_and_bans_a_caught_attacker_for_goo
     # Later it attacks below the screen (5x): the reducers that banned it still drop all its parts, its own
     # reducer (no averager bans itself) takes them.
     later = senders(2, 5.0)
-    got = split_parts(reduction.reduce(later, weights), 16)
-    honest = split_parts(weighted_mean(later[:4], weights[:4]), 16)
+    got = split_parts(reduction.reduce(later, weights), 64)
+    honest = split_parts(weighted_mean(later[:4], weights[:4]), 64)
     owners = assign_parts([p.numel() for p in got], [1.0] * 5)
     assert reduction.new_bans == [] and 4 in owners
     for owner, ours, exact in zip(owners, got, honest, strict=True):
@@ -254,3 +254,31 @@ def test_a_part_our_check_cannot_judge_is_a_fault_not_a_stall_or_a_ban() -> None
     assert all(torch.equal(r, results[0]) for r in results)  # both senders got the part back
     assert reducer.rejected() == {}  # the sender did nothing wrong: nobody is banned
     assert len(reducer.reduce_faults) == 1 and "bug in our check" in reducer.reduce_faults[0]
+
+
+def test_a_part_of_a_single_value_never_gets_an_honest_peer_banned() -> None:
+    # One bias value (or a split's remainder) per sender: honest coordinates differ by orders of magnitude.
+    honest = [torch.tensor([1e-4]), torch.tensor([2e-4]), torch.tensor([0.5])]
+    value, rejected = _reduce(honest, [1.0, 1.0, 1.0])
+    assert rejected == {}  # before: the third, 2500x the median, was banned for the run
+    # its value is still left out of this one part, as a sender's whole norm budget put into one
+    # coordinate would be
+    assert float(value) == pytest.approx(1.5e-4, rel=1e-5)  # the mean of the two others
+    # a 64-value part is large enough to judge a sender by: a scaled one is banned as before
+    parts = [torch.full((64,), 1.0), torch.full((64,), 1.1), torch.full((64,), 100.0)]
+    _, rejected = _reduce(parts, [1.0, 1.0, 1.0])
+    assert list(rejected) == ["peer2"]
+
+
+def test_sybils_sending_tiny_parts_cannot_get_an_honest_sender_banned() -> None:
+    # reducer peer0 and sender peer1 are honest; three Sybils send near-zero parts to drag the median down
+    honest = [torch.full((64,), 1.0), torch.full((64,), 1.5)]
+    sybils = [torch.full((64,), 1e-6)] * 3
+    value, rejected = _reduce([*honest, *sybils], [1.0] * 5)
+    assert rejected == {}  # before: the lower median was a Sybil's, and both honest parts were 10^6 x over it
+    # without its own part as a yardstick, a reducer leaves the flagged part out but bans nobody
+    _, rejected = _reduce([torch.zeros(64), honest[1], *sybils], [1.0] * 5, claimed_weights=[1.0] * 5)
+    assert rejected == {}
+    # a scaled attack far above the reducer's own part is still banned
+    _, rejected = _reduce([*honest, torch.full((64,), 100.0), *sybils[:2]], [1.0] * 5)
+    assert list(rejected) == ["peer2"]
