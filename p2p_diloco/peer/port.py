@@ -25,7 +25,7 @@ from p2p_diloco.core.rounds import Observation, RoundResult
 from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import FaultHooks
 from p2p_diloco.peer.report import SessionListener
-from p2p_diloco.swarm.checksum import params_sha256, state_sha256
+from p2p_diloco.swarm.checksum import TensorManifest, state_sha256, tensor_manifest
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT
 from p2p_diloco.swarm.records import PeerProgress
@@ -50,8 +50,8 @@ class SwarmPort:
         self.last_seen_others: float | None = None
         self.late_start_s = 0.0
         """Seconds the last state download took (the next phase is shortened by that much; see DyLU)."""
-        self.sha: str | None = None
-        """The anchors' sha256 as served now (None while they change): hashed once per new state."""
+        self.manifest: TensorManifest | None = None
+        """The anchors' manifest as served now (None while they change): hashed once per new state."""
         self.state_sha: str | None = None
         """``checksum.state_sha256`` of anchors and momentum as served now (None while they change)."""
         self.writer: threading.Thread | None = None
@@ -173,7 +173,7 @@ class SwarmPort:
         # A peer that is behind has nothing worth serving (joiners refuse states older than the swarm's): stop
         # serving before the download, and drop the zeros kept for serving, so that the downloaded state does
         # not sit beside them.
-        known = self.sha
+        known = self.manifest
         self.withdraw()
         self._zeros = None
         with self._network():
@@ -184,7 +184,7 @@ class SwarmPort:
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours%s", min_epoch,
                            f"; ignoring the epoch claims of {len(ignored)} untrusted peer(s) for "
                            f"{min(ignored.values()):.0f} s or more" if ignored else "")
-            self.serve(checksum=False, sha=known)
+            self.serve(checksum=False, manifest=known)
             return False
         self.evidence.adopted_from(state.donor)
         tensors = {f"param.{i}": t for i, t in enumerate(state.params)}
@@ -195,7 +195,7 @@ class SwarmPort:
         del tensors
         state.params, state.opt_tensors = [], []  # the downloaded copy goes now, not when resync returns
         self.state.begin(self.params)
-        self.serve(checksum=False, sha=state.params_sha256)  # the download was verified against this hash
+        self.serve(checksum=False, manifest=state.params_manifest)  # the download was verified against it
         self.late_start_s = time.monotonic() - began
         logger.info("Synchronised to epoch %d from %s", state.epoch, state.donor)
         return True
@@ -226,19 +226,20 @@ class SwarmPort:
         self.wait_writer()
         with self._network():  # waits only for downloads being served
             self.swarm.withdraw()
-        self.sha = self.state_sha = None
+        self.manifest = self.state_sha = None
 
     # ------------------------------------------------------------------ state
 
-    def serve(self, *, checksum: bool, sha: str | None = None) -> None:
+    def serve(self, *, checksum: bool, manifest: TensorManifest | None = None) -> None:
         """Serve the current anchors and momentum to joiners (and publish their checksum if asked). The anchors
-        are hashed here, once per state (``sha`` when already known, e.g. a verified download's); the digest
-        peers compare adds one pass over the momentum (``checksum.state_sha256``)."""
+        are hashed here, once per state (``manifest`` when already known, e.g. a verified download's); the
+        digest peers compare adds one pass over the momentum (``checksum.state_sha256``)."""
         momentum = self._momentum()
-        self.sha = sha if sha is not None else params_sha256(self.state.anchors)  # the round's one hash pass
+        # the round's one hash pass over the anchors
+        self.manifest = manifest if manifest is not None else tensor_manifest(self.state.anchors)
         with self._network():
             self.state_sha = self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum,
-                                              sha=self.sha)
+                                              manifest=self.manifest)
 
     def _momentum(self) -> list[torch.Tensor]:
         """The outer momentum as served and checksummed: zeros where the optimizer keeps none (before the
@@ -253,9 +254,9 @@ class SwarmPort:
 
     def anchors_sha(self) -> str:
         """The anchors' sha256 (hashed when they were last served)."""
-        if self.sha is None:
-            self.sha = params_sha256(self.state.anchors)
-        return self.sha
+        if self.manifest is None:
+            self.manifest = tensor_manifest(self.state.anchors)
+        return self.manifest.sha
 
     def state_digest(self) -> str:
         """The digest of anchors and momentum that peers publish and compare (computed when last served)."""

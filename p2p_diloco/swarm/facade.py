@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import hivemind
 import torch
@@ -17,6 +18,7 @@ from hivemind.compression import CompressionBase
 
 from p2p_diloco.core.rounds import RoundResult
 from p2p_diloco.swarm.averager import RoundAverager
+from p2p_diloco.swarm.checksum import TensorManifest
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.quorum import due_peers
@@ -54,6 +56,9 @@ class Swarm:
         self.averager: RoundAverager | None = None
         self.server: StateServer | None = None
         self.audit: RecordAudit | None = None
+        self.partial_dir: Path | None = None
+        """Where a state download keeps its verified chunks so a restart resumes it (``swarm.partial``);
+        the peer sets it under its checkpoint directory. ``None``: nothing is kept."""
         self._seen: list[PeerProgress] = []
         """The progress records :meth:`records` read last: who is due in the next round."""
 
@@ -135,11 +140,11 @@ class Swarm:
     # ------------------------------------------------------------------ state
 
     def serve(self, anchors: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], epoch: int,
-              *, checksum: bool, sha: str | None = None) -> str:
+              *, checksum: bool, manifest: TensorManifest | None = None) -> str:
         """Serve the state of ``epoch`` to joiners (the tensors themselves, no copy: call :meth:`withdraw`
         before changing them); publish its checksum too when ``checksum``. Returns its digest
-        (``checksum.state_sha256``; ``sha``: the anchors' sha256 when the caller hashed them already)."""
-        sha = self.server.publish(anchors, momentum, epoch, sha)
+        (``checksum.state_sha256``; ``manifest``: the anchors' when the caller hashed them already)."""
+        sha = self.server.publish(anchors, momentum, epoch, manifest)
         if not checksum:
             return sha
         try:
@@ -166,7 +171,7 @@ class Swarm:
         ``trusted`` as in ``state.download_state``."""
         # the momentum has the anchors' shapes and dtypes: the templates serve twice (only those are read)
         return download_state(self.averager, templates, templates, min_epoch=min_epoch, timeout=timeout,
-                              trusted=trusted)
+                              trusted=trusted, partial_dir=self.partial_dir)
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True) -> RoundResult:
