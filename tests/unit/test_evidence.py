@@ -16,7 +16,7 @@ from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.peer.faults import NO_FAULTS
 from p2p_diloco.peer.port import SwarmPort
-from p2p_diloco.swarm.checksum import params_sha256, state_sha256
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.group import MemberInfo
 from p2p_diloco.swarm.records import ProgressRecord
 
@@ -146,8 +146,8 @@ class ScriptedSwarm:
         self.downloads.append((min_epoch, trusted))
         return self.donor
 
-    def serve(self, anchors, momentum, epoch, *, checksum, sha=None) -> str:  # noqa: ANN001
-        return state_sha256(anchors, momentum, params_sha=sha)
+    def serve(self, anchors, momentum, epoch, *, checksum, manifest=None) -> str:  # noqa: ANN001
+        return state_sha256(anchors, momentum, params_sha=manifest.sha if manifest is not None else None)
 
     def withdraw(self) -> None:
         pass
@@ -183,7 +183,8 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
     swarm.claims["a"] = 4  # a trusted peer ahead still pulls this one along, checked against trusted peers
     assert port.observe(3).swarm_epoch == 4
     swarm.donor = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a",
-                                  params_sha256=params_sha256([torch.ones(4)]))
+                                  params_sha256=params_sha256([torch.ones(4)]),
+                                  params_manifest=tensor_manifest([torch.ones(4)]))
     assert port.resync(4)
     assert swarm.downloads[-1] == (4, frozenset({"a", "b"}))
 
