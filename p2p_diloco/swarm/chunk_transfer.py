@@ -4,9 +4,11 @@ Both halves run in the averager process, which owns this peer's hivemind ``P2P``
 ``rpc_state_chunk`` on the averager's servicer, carries both kinds of request in hivemind's own protobuf
 messages (nothing is pickled):
 
-- request: ``DownloadData.metadata`` = 32 bytes of state digest + 4 bytes little-endian chunk index; index
-  ``MANIFEST`` (with any digest) asks for the manifest: the state's msgpack metadata, with the sha256 of every
-  chunk (``swarm.state``);
+- request: ``DownloadData.metadata`` = 32 bytes of digest + 4 bytes little-endian chunk index; index
+  ``MANIFEST`` asks for a manifest: with an all-zero digest the served state's (msgpack metadata with the
+  sha256 of every chunk, ``swarm.state``), with a state's digest the manifest of the last round's update
+  from that state to the served one (``swarm.catchup``); any other index asks for a chunk of the state or
+  update of that digest;
 - answer: the manifest in ``metadata``, or the chunk's bytes in ``tensor_part.buffer``, in parts of
   :data:`PART_BYTES` so that ``next_chunk_timeout`` measures progress, not a whole chunk's transfer at
   1 Mbit/s. An empty answer means "not served" (another digest now, refused, or busy).
@@ -26,6 +28,7 @@ import logging
 import struct
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
@@ -87,17 +90,41 @@ def write_chunk(views: Sequence[np.ndarray], chunks: ChunkMap, index: int, data:
         offset += b - a
 
 
+_ANY = bytes(DIGEST_BYTES).hex()
+
+
+@dataclass
+class _Served:
+    """What the averager process serves for one version of the host's state (views, not copies)."""
+
+    version: int
+    manifests: dict[str, bytes]
+    """Request digest -> manifest (msgpack): all zeros for the state's, the base state's digest for the
+    update's."""
+    objects: dict[str, tuple[list[np.ndarray], ChunkMap]]
+    """Digest -> byte views of its tensors and their chunks."""
+
+    @classmethod
+    def of(cls, version: int, metadata: dict, tensors: Sequence[torch.Tensor]) -> _Served:
+        state, update = metadata["s"], metadata.get("u")
+        n_state = state["np"] + state["no"]
+        views = _byte_views(tensors)
+        manifests = {_ANY: MSGPackSerializer.dumps(state)}
+        objects = {state["sha"]: (views[:n_state], state_chunk_map(tensors[:n_state], state["np"]))}
+        if update is not None:
+            manifests[update["base"]] = MSGPackSerializer.dumps(update)
+            objects[update["sha"]] = (views[n_state:], state_chunk_map(tensors[n_state:], update["np"]))
+        return cls(version, manifests, objects)
+
+
 class ChunkTransferMixin:
     """``rpc_state_chunk`` and the chunk fetcher, mixed into ``RoundAverager`` after ``StateSharingMixin``."""
 
-    _served_cache: tuple[int, bytes, str, list[np.ndarray], ChunkMap] | None = None
-    """(state version, manifest as msgpack, digest, byte views of the tensors, chunk map) of the served state."""
+    _served_cache: _Served | None = None
 
-    # ------------------------------------------------------------------ serving (averager process)
-
-    async def _served(self, version: int) -> tuple[int, bytes, str, list[np.ndarray], ChunkMap] | None:
+    async def _served(self, version: int) -> _Served | None:
         cache = self._served_cache
-        if cache is not None and cache[0] == version:
+        if cache is not None and cache.version == version:
             return cache
         self._served_cache = None
         if not self.allow_state_sharing:  # type: ignore[attr-defined]
@@ -109,14 +136,12 @@ class ChunkTransferMixin:
             return None
         if self._state_version.value != version:  # type: ignore[attr-defined]
             return None
-        meta = MSGPackSerializer.loads(metadata)  # our own host's, msgpack-encoded by hivemind
-        cache = (version, metadata, meta["sha"], _byte_views(tensors), state_chunk_map(tensors, meta["np"]))
-        self._served_cache = cache
+        cache = self._served_cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
         return cache
 
     async def rpc_state_chunk(self, request: averaging_pb2.DownloadData,
                               context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """One chunk of the served state, or its manifest (see the module docstring)."""
+        """One chunk of the served state or update, or a manifest (see the module docstring)."""
         parsed = decode_request(request.metadata)
         if parsed is None:
             return
@@ -128,13 +153,15 @@ class ChunkTransferMixin:
             served = await self._served(version)
             if served is None:
                 return
-            _, manifest, served_sha, views, chunks = served
             if index == MANIFEST:
-                yield averaging_pb2.DownloadData(metadata=manifest)
+                manifest = served.manifests.get(sha)
+                if manifest is not None:
+                    yield averaging_pb2.DownloadData(metadata=manifest)
                 return
-            if sha != served_sha or index >= chunks.count:
+            found = served.objects.get(sha)
+            if found is None or index >= found[1].count:
                 return
-            data = read_chunk(views, chunks, index)
+            data = read_chunk(*found, index)
             self._fault_hook("state_chunk")  # type: ignore[attr-defined]
             for offset in range(0, len(data), PART_BYTES):
                 if self._state_version.value != version:  # type: ignore[attr-defined]
@@ -151,11 +178,13 @@ class ChunkTransferMixin:
 
     # ------------------------------------------------------------------ fetching (host side)
 
-    def fetch_manifests(self, peers: Sequence[str], *, timeout: float, max_bytes: int) -> dict[str, bytes | str]:
-        """Each donor's raw manifest (msgpack, at most ``max_bytes``), or why there is none."""
+    def fetch_manifests(self, peers: Sequence[str], *, timeout: float, max_bytes: int,
+                        base: str | None = None) -> dict[str, bytes | str]:
+        """Each donor's raw state manifest (msgpack, at most ``max_bytes``), or why there is none; with
+        ``base``, the manifest of the update it serves from state ``base`` to its own."""
         future = MPFuture()
         self._outer_pipe.send(("_fetch_manifests", [], dict(  # type: ignore[attr-defined]
-            peers=list(peers), timeout=timeout, max_bytes=max_bytes, future=future)))
+            peers=list(peers), timeout=timeout, max_bytes=max_bytes, base=base, future=future)))
         return future.result(timeout=timeout + _GRACE_S)
 
     def fetch_chunks(self, peers: Sequence[str], sha: str, dest: Sequence[torch.Tensor], n_params: int,
@@ -186,10 +215,11 @@ class ChunkTransferMixin:
             raise ValueError("sent nothing (it serves another state now, or is busy)")
         return metadata, b"".join(parts)
 
-    async def _fetch_manifests(self, peers: list[str], timeout: float, max_bytes: int, future: MPFuture) -> None:
+    async def _fetch_manifests(self, peers: list[str], timeout: float, max_bytes: int, base: str | None,
+                               future: MPFuture) -> None:
         async def one(peer: str) -> bytes | str:
             try:
-                metadata, _ = await asyncio.wait_for(self._request(peer, None, MANIFEST, max_bytes), timeout)
+                metadata, _ = await asyncio.wait_for(self._request(peer, base, MANIFEST, max_bytes), timeout)
                 return metadata
             except Exception as e:  # noqa: BLE001 - any failure is this donor's
                 return f"no manifest: {type(e).__name__}: {e}"

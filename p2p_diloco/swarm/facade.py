@@ -18,6 +18,7 @@ from hivemind.compression import CompressionBase
 
 from p2p_diloco.core.rounds import RoundResult
 from p2p_diloco.swarm.averager import RoundAverager
+from p2p_diloco.swarm.catchup import SwarmUpdate, download_update
 from p2p_diloco.swarm.checksum import TensorManifest
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
@@ -32,7 +33,7 @@ from p2p_diloco.swarm.records import (
 )
 from p2p_diloco.swarm.runner import FaultHook
 from p2p_diloco.swarm.signing import RecordAudit, record_audit
-from p2p_diloco.swarm.state import StateServer, SwarmState, download_state
+from p2p_diloco.swarm.state import ServedUpdate, StateServer, SwarmState, download_state
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +141,13 @@ class Swarm:
     # ------------------------------------------------------------------ state
 
     def serve(self, anchors: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], epoch: int,
-              *, checksum: bool, manifest: TensorManifest | None = None) -> str:
+              *, checksum: bool, manifest: TensorManifest | None = None,
+              update: ServedUpdate | None = None) -> str:
         """Serve the state of ``epoch`` to joiners (the tensors themselves, no copy: call :meth:`withdraw`
         before changing them); publish its checksum too when ``checksum``. Returns its digest
-        (``checksum.state_sha256``; ``manifest``: the anchors' when the caller hashed them already)."""
-        sha = self.server.publish(anchors, momentum, epoch, manifest)
+        (``checksum.state_sha256``; ``manifest``: the anchors' when the caller hashed them already).
+        ``update``: the round's update that led here, served until :meth:`withdraw_update`."""
+        sha = self.server.publish(anchors, momentum, epoch, manifest, update)
         if not checksum:
             return sha
         try:
@@ -158,6 +161,17 @@ class Swarm:
         ``state_download_timeout_s``, a joiner's own limit)."""
         if self.server is not None:
             self.server.withdraw(self.cfg.state_download_timeout_s)
+
+    def withdraw_update(self) -> None:
+        """The served update's buffers are about to be overwritten (see ``StateServer.withdraw_update``)."""
+        if self.server is not None:
+            self.server.withdraw_update(self.cfg.state_download_timeout_s)
+
+    def download_update(self, templates: Sequence[torch.Tensor], base_sha: str, base_epoch: int,
+                        timeout: float) -> SwarmUpdate | None:
+        """The last round's update from state ``base_sha`` (epoch ``base_epoch``), from every donor serving
+        it; see ``swarm.catchup``."""
+        return download_update(self.averager, templates, base_sha, base_epoch, timeout=timeout)
 
     def fresh_buffers(self) -> list[torch.Tensor] | None:
         """The averager's shared fresh buffers, to write a pseudo-gradient into (None while a round holds

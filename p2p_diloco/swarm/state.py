@@ -9,7 +9,8 @@ withdraws them (``StateServer.withdraw``), waits for downloads in flight to end 
 ``state_download_timeout_s``, the joiner's own limit; a joiner that fetched a chunk in the last ``_PIN_S``
 counts as in flight), and bumps a version that a stream checks before every message it sends; so a chunk is
 either of one epoch or cut short (the joiner then fetches it from another donor). hivemind's whole-state
-stream (``rpc_download_state``) is still answered the same way, for hivemind's own tools.
+stream (``rpc_download_state``) is closed. A donor also serves the last round's update for one round
+(``swarm.catchup``): a joiner whose download outlasted a round applies it instead of downloading again.
 
 Downloading (:func:`download_state`) reads every donor's manifest and accepts a state only after checking:
 
@@ -126,21 +127,10 @@ class StateSharingMixin:
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's stream, stopped as soon as the host's state changed under it (see the module docstring)."""
-        with self._streams_open.get_lock():
-            self._streams_open.value += 1
-        try:
-            version = self._state_version.value
-            async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
-                # the tensor in ``message`` was serialized before this check: if the version still holds, the
-                # host had not started changing the state then
-                if self._state_version.value != version:
-                    logger.info("Stopped serving a state download: this peer's state changed meanwhile")
-                    return
-                yield message
-        finally:
-            with self._streams_open.get_lock():
-                self._streams_open.value -= 1
+        """hivemind's whole-state stream: closed. Joiners fetch chunks (``rpc_state_chunk``), each verified on
+        receipt; a second way to pull the whole model would only be a second way to load this peer."""
+        return
+        yield  # an async generator that yields nothing
 
     def set_state_provider(self, provider: StateProvider | None) -> None:
         """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
@@ -188,6 +178,18 @@ def make_state_metadata(run_id: str, fingerprint: str, epoch: int, sha: str, par
             "no": n_opt, "cs": CHUNK_BYTES, "pc": params.chunks, "mc": momentum.chunks}
 
 
+@dataclass
+class ServedUpdate:
+    """The round's update that turned state ``base_sha`` (epoch ``epoch - 1``) into the served one: the tensors
+    ``core.delayed.apply_round`` applied (the fresh mean, the late-work term; ``None`` where the round had
+    none). Served, not copied: they are the averager's buffers, valid until the next round writes into them
+    (``StateServer.withdraw_update``)."""
+
+    base_sha: str
+    fresh: list[torch.Tensor] | None
+    stale: list[torch.Tensor] | None
+
+
 class StateServer:
     """Serves this peer's live state to joiners: ``publish`` after each change, ``withdraw`` before the next.
 
@@ -200,6 +202,8 @@ class StateServer:
         self._averager = averager
         self._lock = threading.Lock()
         self._state: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self._update: ServedUpdate | None = None
+        self._update_meta: dict[str, Any] | None = None
         self.served = 0
         """Times the host handed the state to its averager process for serving (once per version of the
         state while joiners download it, not once per chunk)."""
@@ -207,10 +211,11 @@ class StateServer:
         """Seconds :meth:`withdraw` spent waiting for downloads in flight, in total."""
 
     def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int,
-                manifest: TensorManifest | None = None) -> str:
+                manifest: TensorManifest | None = None, update: ServedUpdate | None = None) -> str:
         """Serve ``params`` and ``opt_tensors`` (CPU tensors, not copied) as the state of ``epoch``; returns
         its digest (``checksum.state_sha256``). ``manifest``: the parameters' manifest when the caller hashed
         them already (one pass over them per round; the digest then adds only the momentum's pass).
+        ``update``: the round's update that led here, served until :meth:`withdraw_update`.
 
         A client-mode peer serves nothing: it accepts no incoming connections, so no joiner could download
         from it, and hivemind refuses to announce its state. It only gets the checksum back.
@@ -221,13 +226,15 @@ class StateServer:
         if self._averager.client_mode:
             return sha
         tensors = [t.detach() for t in (*params, *opt_tensors)]
-        if any(t.device.type != "cpu" for t in tensors):
+        extra = [*(update.fresh or ()), *(update.stale or ())] if update is not None else []
+        if any(t.device.type != "cpu" for t in (*tensors, *extra)):
             raise ValueError("the served state must be CPU tensors (keep anchors and momentum on the CPU)")
         cfg = self._averager.cfg
         metadata = make_state_metadata(cfg.run_id, self._averager.fingerprint, int(epoch), sha, manifest, momentum,
                                        len(params), len(opt_tensors))
         with self._lock:
             self._state = (metadata, tensors)
+            self._update, self._update_meta = update, None
         self._averager.state_sharing_priority = float(epoch)  # donors with newer state are asked first
         self._averager.set_state_provider(self._provide)
         return sha
@@ -237,7 +244,26 @@ class StateServer:
             if self._state is None:
                 raise RuntimeError("this peer's state is changing; ask another donor")
             self.served += 1
-            return self._state
+            state_meta, tensors = self._state
+            update, extra = self._update, []
+            if update is not None:
+                fresh, stale = list(update.fresh or ()), list(update.stale or ())
+                if self._update_meta is None:  # hashed once, when a joiner first asks (not every round)
+                    fm, sm = tensor_manifest(fresh), tensor_manifest(stale)
+                    self._update_meta = dict(state_meta, ep=state_meta["ep"] - 1, base=update.base_sha,
+                                             to=state_meta["sha"], sha=combine_state_sha(fm.sha, sm.sha),
+                                             np=len(fresh), no=len(stale), pc=fm.chunks, mc=sm.chunks)
+                extra = [t.detach() for t in (*fresh, *stale)]
+            return {"s": state_meta, "u": self._update_meta if update is not None else None}, tensors + extra
+
+    def withdraw_update(self, timeout: float) -> None:
+        """The update's buffers are about to be overwritten (the next round's pseudo-gradient): stop serving
+        it, as :meth:`withdraw` does for the state. Nothing to wait for when none is served."""
+        with self._lock:
+            if self._update is None:
+                return
+            self._update = self._update_meta = None
+        self._wait_and_cut(timeout)
 
     def withdraw(self, timeout: float) -> None:
         """The served tensors are about to change: stop handing them out, wait up to ``timeout`` s for the
@@ -245,6 +271,10 @@ class StateServer:
         any still running stop before their next message."""
         with self._lock:
             self._state = None
+            self._update = self._update_meta = None
+        self._wait_and_cut(timeout)
+
+    def _wait_and_cut(self, timeout: float) -> None:
         if self._averager.client_mode or not self._averager.is_alive():
             return
         began = time.monotonic()
@@ -252,7 +282,7 @@ class StateServer:
         while self._averager.downloading() and time.monotonic() < deadline:
             time.sleep(0.05)
         if self._averager.downloading():
-            logger.warning("A state download still runs after %.0f s; cutting it off to apply the outer step",
+            logger.warning("A state download still runs after %.0f s; cutting it off to change our state",
                            timeout)
         self._averager.bump_state_version()
         self.waited_s += time.monotonic() - began
@@ -305,7 +335,7 @@ def max_manifest_bytes(chunks: ChunkMap) -> int:
     return 4096 + chunks.count * (DIGEST_BYTES + 1)
 
 
-def _nonfinite(tensors: Sequence[torch.Tensor]) -> str | None:
+def nonfinite(tensors: Sequence[torch.Tensor]) -> str | None:
     for i, tensor in enumerate(tensors):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return f"tensor {i} holds NaN or infinite values"
@@ -382,9 +412,9 @@ def download_state(
         if not dest:
             dest.extend(torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
                         for t in templates)
-        problem, dropped = _fetch(averager, sources, meta, dest, chunks, partial_dir, deadline)
+        problem, dropped = fetch_verified(averager, sources, meta, dest, chunks, partial_dir, deadline)
         rejected.extend(f"{p}: {reason}" for p, reason in dropped.items())
-        problem = problem or _nonfinite(dest)
+        problem = problem or nonfinite(dest)
         if problem is not None:
             return None, problem, False
         n = len(template_params)
@@ -426,7 +456,7 @@ def download_state(
     return None
 
 
-def _fetch(averager: RoundAverager, sources: list[str], meta: dict, dest: list[torch.Tensor], chunks: ChunkMap,
+def fetch_verified(averager: RoundAverager, sources: list[str], meta: dict, dest: list[torch.Tensor], chunks: ChunkMap,
            partial_dir: Path | None, deadline: float) -> tuple[str | None, dict[str, str]]:
     """Fill ``dest`` with the state ``meta`` describes: chunks kept on disk first, then from ``sources`` in
     parallel. Returns (what went wrong or ``None``, donors dropped with their reasons)."""

@@ -12,7 +12,7 @@ from swarm_helpers.harness import Swarm
 from swarm_helpers.peer import pattern
 
 from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
-from p2p_diloco.swarm.checksum import state_sha256
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -259,9 +259,9 @@ def test_state_download_rejects_bad_donors_and_uses_a_good_one(swarm: Swarm) -> 
     state = result["state"]
     assert state is not None, swarm.warnings()
     ids = {name: p.info["peer_id"] for name, p in [*bad.items(), ("good0", good[0]), ("good1", good[1])]}
-    # the first acceptable digest is bad_chunks' (an honest manifest): fetched from all three serving it
-    assert state["donor"] == ids["bad_chunks"]
+    # the first acceptable digest (bad_chunks' manifest is honest) is fetched from all three serving it
     assert set(state["sources"]) == {ids["bad_chunks"], ids["good0"], ids["good1"]}
+    assert state["donor"] in state["sources"]
     assert state["epoch"] == 5
     expected = state_sha256(pattern(shapes, 7.0), pattern(shapes, 107.0))
     assert state["sha"] == expected and state["received_sha"] == expected
@@ -272,4 +272,9 @@ def test_state_download_rejects_bad_donors_and_uses_a_good_one(swarm: Swarm) -> 
     assert "failed its hash" in rejected[ids["bad_chunks"]]
     assert "chunk" in rejected[ids["good1"]]  # died mid-transfer: its chunks went to good0
     assert good[1].proc.wait(timeout=5) != 0
+    # the round update good donors serve for a joiner one round behind: from the surviving one, intact
+    update = result["update"]
+    assert update is not None and update["sources"] == [ids["good0"]], swarm.warnings()
+    assert update["to"] == expected and not update["stale"]
+    assert update["fresh_sha"] == params_sha256(pattern(shapes, 0.5))
     assert result["too_old_result"] == "None"

@@ -27,12 +27,13 @@ from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQ
 
 from p2p_diloco.peer.faults import FaultPlan, parse_faults
 from p2p_diloco.swarm.averager import RoundAverager
+from p2p_diloco.swarm.catchup import download_update
 from p2p_diloco.swarm.checksum import combine_state_sha, params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import fetch_progress, publish_checksum, publish_progress, run_validator
-from p2p_diloco.swarm.state import StateServer, download_state, make_state_metadata
+from p2p_diloco.swarm.state import ServedUpdate, StateServer, download_state, make_state_metadata
 
 MAX_WAIT_S = 60.0
 
@@ -151,6 +152,11 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
     )
 
 
+def BASE(shapes: list[list[int]], value: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: N802
+    """The state good donors say their update applies to (any state: the joiner only checks the wire)."""
+    return pattern(shapes, value - 1.0), pattern(shapes, value + 99.0)
+
+
 def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
     state = spec["state"]
     params = pattern(spec["shapes"], state["value"])
@@ -160,7 +166,9 @@ def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
         publish_checksum(averager.dht, averager.cfg.run_id, epoch, state_sha256(params, opt))
     kind = state["kind"]
     if kind == "good":
-        StateServer(averager).publish(params, opt, epoch)
+        # with the update that led to this state from a base state (``swarm.catchup``): value - 1 plus this
+        update = ServedUpdate(state_sha256(*BASE(spec["shapes"], state["value"])), pattern(spec["shapes"], 0.5), None)
+        StateServer(averager).publish(params, opt, epoch, update=update)
     else:
         served = params + opt
         if kind == "nan":
@@ -176,7 +184,7 @@ def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
                                    pm, om, len(params), len(opt))
         if kind != "bad_chunks":
             served = params + opt
-        averager.set_state_provider(lambda: (meta, served))
+        averager.set_state_provider(lambda: ({"s": meta, "u": None}, served))
     averager.state_sharing_priority = float(state["priority"])
 
 
@@ -228,6 +236,11 @@ def main() -> None:
         templates = (pattern(shapes, 0.0), pattern(shapes, 0.0))
         partial = Path(spec["partial_dir"]) if spec.get("partial_dir") else None
         state = download_state(averager, *templates, timeout=30.0, partial_dir=partial)
+        if state is not None:  # the good donors' update, from the state they name (chunks checked on receipt)
+            update = download_update(averager, templates[0], state_sha256(*BASE(shapes, 7.0)), 4, timeout=30.0)
+            out["update"] = None if update is None else dict(
+                sources=list(update.sources), to=update.result_sha, fresh_sha=params_sha256(update.fresh or []),
+                stale=update.stale is not None)
         # every donor serves an epoch below this one: all are rejected and the caller gets None
         out["too_old_result"] = repr(download_state(averager, *templates, min_epoch=10**6, timeout=30.0))
         small = sum(t.numel() for t in templates[0]) <= 1000
