@@ -2,7 +2,8 @@
 
 A private peer (``allowed_peers`` lists itself and a friend) serves state. Two real hivemind p2p nodes dial
 it on loopback: the friend, whose key is in the list, and an outsider. The outsider is refused by
-``rpc_join_group``, ``rpc_aggregate_part`` and ``rpc_download_state``; the friend is served. Both then send
+``rpc_join_group``, ``rpc_aggregate_part`` and ``rpc_state_chunk``; the friend is served (hivemind's
+``rpc_download_state`` answers nobody: state goes out in verified chunks only). Both then send
 undecodable bytes to every RPC, and the private peer must still serve the friend afterwards.
 """
 
@@ -109,7 +110,7 @@ def test_allowed_peers_is_enforced_on_every_averager_rpc_and_garbage_is_survived
     # admitted: past the access check, hivemind's own checks answer (not looking for a group, unknown group)
     assert averaging_pb2.PROTOCOL_VIOLATION not in {m.code for m in friend["join"]}, friend["join"]
     assert {m.code for m in friend["part"]} <= {averaging_pb2.BAD_GROUP_ID}, friend["part"]
-    assert friend["download"] and friend["download"][0].metadata  # served
+    assert friend["download"] == []  # hivemind's whole-state stream is closed to everyone: chunks only
     assert friend["manifest"] and MSGPackSerializer.loads(friend["manifest"][0].metadata)["ep"] == 2
 
     # garbage to every RPC was answered (a reply or an error) or the stream closed (b""), never left hanging ...
@@ -119,7 +120,7 @@ def test_allowed_peers_is_enforced_on_every_averager_rpc_and_garbage_is_survived
     # ... and the peer survived it and still serves its friend
     assert averager.is_alive()
     again = asyncio.run(_probe(averager, maddrs, friend_key))
-    assert again["download"] and again["download"][0].metadata
+    assert again["manifest"] and again["manifest"][0].metadata
 
 
 def test_plan_refuses_members_outside_allowed_peers_on_every_member_alike(tmp_path: Path) -> None:
