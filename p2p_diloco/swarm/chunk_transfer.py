@@ -156,6 +156,8 @@ class ChunkTransferMixin:
             if index == MANIFEST:
                 manifest = served.manifests.get(sha)
                 if manifest is not None:
+                    with self._manifests_served.get_lock():  # type: ignore[attr-defined]
+                        self._manifests_served.value += 1  # type: ignore[attr-defined]
                     yield averaging_pb2.DownloadData(metadata=manifest)
                 return
             found = served.objects.get(sha)

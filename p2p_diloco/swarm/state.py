@@ -110,6 +110,8 @@ class StateSharingMixin:
         self._streams_open = mp.Value(ctypes.c_int64, 0)
         """Downloads and chunk requests being served right now (the host waits for them before changing the
         state)."""
+        self._manifests_served = mp.Value(ctypes.c_int64, 0)
+        """Manifests handed to joiners: each download (or catch-up) of our state starts with one."""
         self._last_chunk_served = mp.Value(ctypes.c_double, 0.0)
         """Wall time the last state chunk was served: a joiner between two requests is still downloading."""
 
@@ -119,6 +121,9 @@ class StateSharingMixin:
 
     def streams_open(self) -> int:
         return int(self._streams_open.value)
+
+    def manifests_served(self) -> int:
+        return int(self._manifests_served.value)
 
     def downloading(self) -> bool:
         """A joiner is downloading our state: a stream is open, or a chunk was served moments ago (a joiner
@@ -204,9 +209,6 @@ class StateServer:
         self._state: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._update: ServedUpdate | None = None
         self._update_meta: dict[str, Any] | None = None
-        self.served = 0
-        """Times the host handed the state to its averager process for serving (once per version of the
-        state while joiners download it, not once per chunk)."""
         self.waited_s = 0.0
         """Seconds :meth:`withdraw` spent waiting for downloads in flight, in total."""
 
@@ -243,7 +245,6 @@ class StateServer:
         with self._lock:
             if self._state is None:
                 raise RuntimeError("this peer's state is changing; ask another donor")
-            self.served += 1
             state_meta, tensors = self._state
             update, extra = self._update, []
             if update is not None:
@@ -255,6 +256,11 @@ class StateServer:
                                              np=len(fresh), no=len(stale), pc=fm.chunks, mc=sm.chunks)
                 extra = [t.detach() for t in (*fresh, *stale)]
             return {"s": state_meta, "u": self._update_meta if update is not None else None}, tensors + extra
+
+    @property
+    def served(self) -> int:
+        """Downloads of our state (or of its round update) begun so far: manifests handed out."""
+        return self._averager.manifests_served()
 
     def withdraw_update(self, timeout: float) -> None:
         """The update's buffers are about to be overwritten (the next round's pseudo-gradient): stop serving
