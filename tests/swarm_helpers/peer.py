@@ -152,7 +152,7 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
     )
 
 
-def BASE(shapes: list[list[int]], value: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: N802
+def base_state(shapes: list[list[int]], value: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The state good donors say their update applies to (any state: the joiner only checks the wire)."""
     return pattern(shapes, value - 1.0), pattern(shapes, value + 99.0)
 
@@ -167,7 +167,7 @@ def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
     kind = state["kind"]
     if kind == "good":
         # with the update that led to this state from a base state (``swarm.catchup``): value - 1 plus this
-        update = ServedUpdate(state_sha256(*BASE(spec["shapes"], state["value"])), pattern(spec["shapes"], 0.5), None)
+        update = ServedUpdate(state_sha256(*base_state(spec["shapes"], state["value"])), pattern(spec["shapes"], 0.5), None)
         StateServer(averager).publish(params, opt, epoch, update=update)
     else:
         served = params + opt
@@ -237,7 +237,7 @@ def main() -> None:
         partial = Path(spec["partial_dir"]) if spec.get("partial_dir") else None
         state = download_state(averager, *templates, timeout=30.0, partial_dir=partial)
         if state is not None:  # the good donors' update, from the state they name (chunks checked on receipt)
-            update = download_update(averager, templates[0], state_sha256(*BASE(shapes, 7.0)), 4, timeout=30.0)
+            update = download_update(averager, templates[0], state_sha256(*base_state(shapes, 7.0)), 4, timeout=30.0)
             out["update"] = None if update is None else dict(
                 sources=list(update.sources), to=update.result_sha, fresh_sha=params_sha256(update.fresh or []),
                 stale=update.stale is not None)
