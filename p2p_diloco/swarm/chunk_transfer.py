@@ -239,7 +239,7 @@ class ChunkTransferMixin:
         plan = ChunkPlan(chunks.count, peers, have=have, depth=DEPTH)
         views = _byte_views(dest)
         store = PartialStore(Path(partial), sha, chunks) if partial else None
-        changed = asyncio.Event()
+        changed, complete = asyncio.Event(), asyncio.Event()
 
         def drop(peer: str, reason: str) -> None:
             if peer in plan.out:
@@ -269,11 +269,20 @@ class ChunkTransferMixin:
                     write_chunk(views, chunks, index, data)
                     if store is not None:
                         store.write(index, data)
+                    if plan.finished:
+                        complete.set()
                 changed.set()
 
         try:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(worker(p) for p in peers for _ in range(DEPTH))), timeout)
+            # Ends when every chunk is in, even while copies of the last requests are still out at slow donors
+            # (they are cancelled), when every donor was dropped, or at the deadline.
+            tasks = [asyncio.create_task(worker(p)) for p in peers for _ in range(DEPTH)]
+            workers = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+            finished = asyncio.create_task(complete.wait())
+            await asyncio.wait({workers, finished}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for task in (*tasks, finished):
+                task.cancel()
+            await asyncio.gather(workers, finished, return_exceptions=True)
             for peer in list(plan.out):
                 if not plan.finished:
                     drop(peer, "the download ran out of time")
