@@ -2,7 +2,8 @@
 swarm (the ``RoundPort`` of :mod:`p2p_diloco.core.round_driver`).
 
 It reads and writes the swarm only through :class:`p2p_diloco.swarm.facade.Swarm`, changes the outer state
-only by loading a verified download, and tells listeners what happens. The decisions are not here: which
+only by loading a verified download (stepped by the round it missed when the swarm moved on meanwhile, and
+checked again against the swarm's digest: ``swarm.catchup``), and tells listeners what happens. The decisions are not here: which
 epochs, checksum votes and donors to believe is :class:`p2p_diloco.core.evidence.Evidence`'s, fed with what
 this peer saw (its completed rounds, its downloads, the failed ones).
 """
