@@ -126,6 +126,8 @@ class ChunkPlan:
         """donor -> why it was dropped."""
         self.served: dict[str, int] = dict.fromkeys(self.out, 0)
         """donor -> chunks it delivered first (and that passed their hash)."""
+        self.overtaken: dict[str, int] = {}
+        """donor -> its requests that another donor answered first (a slow donor; its copy is ignored)."""
 
     @property
     def finished(self) -> bool:
@@ -167,12 +169,14 @@ class ChunkPlan:
     def received(self, donor: str, chunk: int) -> bool:
         """``donor`` delivered ``chunk`` and it passed its hash; ``True`` when it is the first copy (write it)."""
         requests = self.out.get(donor)
-        if requests is not None:
-            requests.pop(chunk, None)
+        asked = requests.pop(chunk, None) if requests is not None else None
         if chunk in self.done or not 0 <= chunk < self.count:
             return False
         self.done.add(chunk)
         self.served[donor] = self.served.get(donor, 0) + 1
+        for other, reqs in self.out.items():
+            if asked is not None and reqs.get(chunk, asked) < asked:  # asked before the winner, answered later
+                self.overtaken[other] = self.overtaken.get(other, 0) + 1
         return True
 
     def failed(self, donor: str, reason: str) -> list[int]:

@@ -286,6 +286,10 @@ class ChunkTransferMixin:
             for peer in list(plan.out):
                 if not plan.finished:
                     drop(peer, "the download ran out of time")
+            for peer, count in plan.overtaken.items():
+                logger.warning("State donor %s was slow: %d of its chunk requests were answered first by other "
+                               "donors", peer, count)
+            logger.info("State chunks per donor: %s", ", ".join(f"{p} {n}" for p, n in plan.served.items()))
             future.set_result(dict(done=sorted(plan.done), dropped=dict(plan.dropped), served=dict(plan.served)))
         except Exception as e:  # noqa: BLE001 - a plain RuntimeError survives the trip to the host
             future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))

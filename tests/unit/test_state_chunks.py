@@ -131,8 +131,9 @@ def test_plan_moves_chunks_of_dead_corrupt_and_slow_donors_to_the_others() -> No
     assert not any(w in ("corrupt",) for w in writers.values())
     assert plan.served["fast"] > 4 * plan.served["slow"]  # pull-based: the slow donor just fetches fewer
     # the end: the slow donor's last requests were copied to the fast one, so the download did not wait
-    # out the slow donor's 10 s per chunk after the fast one ran dry
+    # out the slow donor's 10 s per chunk after the fast one ran dry; the slow donor is named for it
     assert ended < 40 / 2 + 10
+    assert plan.overtaken.get("slow", 0) >= 1 and "fast" not in plan.overtaken
 
 
 def test_a_plan_with_every_donor_gone_is_hopeless_and_keeps_what_it_has() -> None:
