@@ -261,8 +261,10 @@ class ChunkTransferMixin:
                 except Exception as e:  # noqa: BLE001 - any failure is this donor's
                     drop(peer, f"chunk {index}: {type(e).__name__}: {e}")
                     return
-                if len(data) != length or hashlib.sha256(data).digest() != digests[
-                        index * DIGEST_BYTES:(index + 1) * DIGEST_BYTES]:
+                if len(data) != length:  # the stream ended early without an error (the donor stopped serving)
+                    drop(peer, f"chunk {index} cut short: {len(data)} of {length} bytes")
+                    return
+                if hashlib.sha256(data).digest() != digests[index * DIGEST_BYTES:(index + 1) * DIGEST_BYTES]:
                     drop(peer, f"chunk {index} failed its hash")
                     return
                 if plan.received(peer, index):
