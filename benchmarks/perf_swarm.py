@@ -242,8 +242,8 @@ def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> N
                                     stdout=open(out / "joiner.out", "w"), stderr=subprocess.STDOUT,
                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
         codes = wait_peers({"joiner": procs["joiner"]}, 400)
-        for name in ("peer1", "peer2"):
-            procs[name].terminate()
+        for peer in ("peer1", "peer2"):
+            procs[peer].terminate()
         codes.update(wait_peers({n: procs[n] for n in ("peer1", "peer2")}, 60))
     fresh_ready = [read_log(out / f"peer{i}.jsonl", "start")[0]["time"] - spawned for i in (1, 2)]
     start = read_log(out / "joiner.jsonl", "start")
