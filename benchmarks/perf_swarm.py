@@ -359,8 +359,8 @@ def bench_scale(sizes: tuple[int, ...] = (2, 4, 8), rounds: int = 3, steps: int 
 
 BENCHES = dict(allreduce=bench_allreduce, utilization=bench_utilization, codecs=bench_codecs,
                joiner=bench_joiner, hetero=bench_hetero, scale=bench_scale,
-               # 1 Mbit/s with shorter rounds (500 steps, 25-50 s here): the state download (54 s) outlasts a
-               # round, so the joiner must catch up (swarm.catchup)
+               # 1 Mbit/s with shorter rounds (500 steps), meant to make the state download (54 s bound)
+               # outlast a round so that the joiner must catch up (swarm.catchup); check swarm_round_s
                joiner_1mbit=lambda: bench_joiner(rate=1.0, steps=500, name="joiner_1mbit"))
 
 
