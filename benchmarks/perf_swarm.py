@@ -13,6 +13,7 @@ headline numbers because they stay meaningful on a loaded machine; absolute seco
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -212,7 +213,7 @@ def bench_codecs(rate: float = 100.0) -> None:
     save("codecs", dict(rate_mbit=rate, rows=rows))
 
 
-def bench_joiner(rate: float = 2.0, steps: int = 900) -> None:
+def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> None:
     """A third peer joins a running 2-peer swarm: spawn to ready (state loaded) and spawn to its first
     contribution to an average, against the state's transfer bound.
 
@@ -223,8 +224,8 @@ def bench_joiner(rate: float = 2.0, steps: int = 900) -> None:
     downloads again (measured and discussed in BENCHMARKS.md). The running peers send int8, so their
     all-reduce leaves the donor's uplink to the download most of the time.
     """
-    out = fresh("joiner")
-    args = [*PEER_BASE, "--run-id", "joiner", "--local-steps", str(steps), "--min-local-steps", "5",
+    out = fresh(name)
+    args = [*PEER_BASE, "--run-id", name, "--local-steps", str(steps), "--min-local-steps", "5",
             "--eval-every", "0", "--matchmaking-time-s", "10", "--matchmaking-timeout-s", "60",
             "--compression", "int8"]
     with Testbed(4, rate) as bed:
@@ -241,8 +242,8 @@ def bench_joiner(rate: float = 2.0, steps: int = 900) -> None:
                                     stdout=open(out / "joiner.out", "w"), stderr=subprocess.STDOUT,
                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
         codes = wait_peers({"joiner": procs["joiner"]}, 400)
-        for name in ("peer1", "peer2"):
-            procs[name].terminate()
+        for peer in ("peer1", "peer2"):
+            procs[peer].terminate()
         codes.update(wait_peers({n: procs[n] for n in ("peer1", "peer2")}, 60))
     fresh_ready = [read_log(out / f"peer{i}.jsonl", "start")[0]["time"] - spawned for i in (1, 2)]
     start = read_log(out / "joiner.jsonl", "start")
@@ -254,10 +255,18 @@ def bench_joiner(rate: float = 2.0, steps: int = 900) -> None:
     ready = start[0]["time"] - join_spawned if start else float("nan")
     first = next((r["time"] - join_spawned for r in rounds if r["outcome"] in ("averaged", "folded_late")
                   and r["group_size"] >= 2), float("nan"))
-    save("joiner", dict(rate_mbit=rate, local_steps=steps, state_bytes=state_bytes, bound_s=bound, how=start[0]["how"] if start else "",
-                        ready_s=ready, fresh_startup_s=fresh_ready, first_contribution_s=first,
-                        transfer_s=ready - statistics.median(fresh_ready), codes=codes,
-                        joiner_outcomes=[r["outcome"] for r in rounds]))
+    log = (out / "joiner.out").read_text(errors="replace")
+    synced = [r for r in rounds if r["outcome"] in ("averaged", "folded_late") and r["group_size"] >= 2]
+    swarm_rounds = read_log(out / "peer1.jsonl")
+    save(name, dict(rate_mbit=rate, local_steps=steps, state_bytes=state_bytes, bound_s=bound, how=start[0]["how"] if start else "",
+                    ready_s=ready, fresh_startup_s=fresh_ready, first_contribution_s=first,
+                    transfer_s=ready - statistics.median(fresh_ready), codes=codes,
+                    joiner_outcomes=[r["outcome"] for r in rounds],
+                    # rounds the joiner ran before the one that carried its work (0: its first round did)
+                    rounds_before_contribution=rounds.index(synced[0]) if synced else None,
+                    donors_used=[int(n) for n in re.findall(r"Loaded state of epoch \d+ from (\d+) donor", log)],
+                    caught_up=log.count("Applied the round of epoch"),
+                    swarm_round_s=[b["time"] - a["time"] for a, b in itertools.pairwise(swarm_rounds)]))
 
 
 def _hetero_run(mode: str, slow_s: float, rounds: int, steps: int) -> dict[str, Any]:
@@ -349,7 +358,10 @@ def bench_scale(sizes: tuple[int, ...] = (2, 4, 8), rounds: int = 3, steps: int 
 
 
 BENCHES = dict(allreduce=bench_allreduce, utilization=bench_utilization, codecs=bench_codecs,
-               joiner=bench_joiner, hetero=bench_hetero, scale=bench_scale)
+               joiner=bench_joiner, hetero=bench_hetero, scale=bench_scale,
+               # 1 Mbit/s with shorter rounds (500 steps), meant to make the state download (54 s bound)
+               # outlast a round so that the joiner must catch up (swarm.catchup); check swarm_round_s
+               joiner_1mbit=lambda: bench_joiner(rate=1.0, steps=500, name="joiner_1mbit"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,8 +83,10 @@ class RoundPort(Protocol):
         """Download and load the swarm's verified state of ``min_epoch`` or newer into the outer state and
         the parameters; False (nothing changed) when no donor answered."""
 
-    def published(self, epoch: int) -> None:
-        """The anchors of ``epoch`` are new: serve them (and publish their checksum where peers vote)."""
+    def published(self, epoch: int, update: RoundAggregate | None = None) -> None:
+        """The anchors of ``epoch`` are new: serve them (and publish their checksum where peers vote).
+        ``update``: the swarm round's aggregate that led here, whose tensors stay untouched until the next
+        :meth:`delta_buffers`: a port may serve it to joiners one round behind."""
 
     def collect(self, epoch: int, timeout: float) -> Collected:
         """Eager only: the background all-reduce of ``epoch``, waiting at most ``timeout`` s."""
@@ -197,7 +199,7 @@ class RoundDriver:
             return
         stats = summarize_round([w or s for w, s in zip(result.weights, result.stale_weights, strict=True)],
                                 list(result.stalenesses), self.policy.staleness, list(result.contributors))
-        self._apply(RoundAggregate(result.fresh_mean, result.stale_term, stats))
+        self._apply(RoundAggregate(result.fresh_mean, result.stale_term, stats), from_swarm=True)
         report.late_folded = late_folded(result.stalenesses)
         report.outcome = Outcome.FOLDED_LATE if stale is not None else Outcome.AVERAGED
         if stale is not None:
@@ -253,11 +255,13 @@ class RoundDriver:
             report.reason = (report.reason + "; " if report.reason else "") + (
                 f"the work of epoch {epoch} was not sent: the previous all-reduce still runs")
 
-    def _apply(self, aggregate: RoundAggregate) -> None:
+    def _apply(self, aggregate: RoundAggregate, from_swarm: bool = False) -> None:
+        """The outer step; ``from_swarm``: the aggregate is the swarm round's, every member applies the same
+        one, so the port may serve it (a joiner one round behind applies it instead of downloading again)."""
         self.port.withdraw()
         self.state.apply(aggregate, self.params)
         self.pending.applied()
-        self.port.published(self.state.epoch)
+        self.port.published(self.state.epoch, aggregate if from_swarm else None)
 
     def _catch_up(self, delta: list[torch.Tensor], weight: float, min_epoch: int) -> Outcome:
         """Load the swarm's state and keep this round's work as late work; ``SKIPPED`` if no donor answered.

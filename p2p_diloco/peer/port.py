@@ -2,7 +2,8 @@
 swarm (the ``RoundPort`` of :mod:`p2p_diloco.core.round_driver`).
 
 It reads and writes the swarm only through :class:`p2p_diloco.swarm.facade.Swarm`, changes the outer state
-only by loading a verified download, and tells listeners what happens. The decisions are not here: which
+only by loading a verified download (stepped by the round it missed when the swarm moved on meanwhile, and
+checked again against the swarm's digest: ``swarm.catchup``), and tells listeners what happens. The decisions are not here: which
 epochs, checksum votes and donors to believe is :class:`p2p_diloco.core.evidence.Evidence`'s, fed with what
 this peer saw (its completed rounds, its downloads, the failed ones).
 """
@@ -18,17 +19,20 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.core.evidence import Claim, Evidence, outvoted
+from p2p_diloco.core.delayed import RoundAggregate, apply_round
+from p2p_diloco.core.evidence import Claim, Evidence, outvoted, state_verdict
+from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX, OuterOptimizer
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected
 from p2p_diloco.core.rounds import Observation, RoundResult
 from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import FaultHooks
 from p2p_diloco.peer.report import SessionListener
-from p2p_diloco.swarm.checksum import params_sha256, state_sha256
+from p2p_diloco.swarm.checksum import TensorManifest, state_sha256, tensor_manifest
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT
 from p2p_diloco.swarm.records import PeerProgress
+from p2p_diloco.swarm.state import ServedUpdate, SwarmState
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +55,12 @@ class SwarmPort:
         self.last_seen_others: float | None = None
         self.late_start_s = 0.0
         """Seconds the last state download took (the next phase is shortened by that much; see DyLU)."""
-        self.sha: str | None = None
-        """The anchors' sha256 as served now (None while they change): hashed once per new state."""
+        self.manifest: TensorManifest | None = None
+        """The anchors' manifest as served now (None while they change): hashed once per new state."""
         self.state_sha: str | None = None
         """``checksum.state_sha256`` of anchors and momentum as served now (None while they change)."""
+        self._base_sha: str | None = None
+        """The digest of the state the last outer step started from (the served update's base)."""
         self.writer: threading.Thread | None = None
         """A checkpoint being written from the live anchors (``peer.resume.CheckpointWriter``)."""
         self._zeros: list[torch.Tensor] | None = None
@@ -171,13 +177,13 @@ class SwarmPort:
         if result.averaged:
             self.evidence.averaged_with(result.contributors)
 
-    def resync(self, min_epoch: int, timeout: float | None = None) -> bool:
+    def resync(self, min_epoch: int, timeout: float | None = None, again: bool = False) -> bool:
         self.notify("status", "syncing", min_epoch)
         began = time.monotonic()
         # A peer that is behind has nothing worth serving (joiners refuse states older than the swarm's): stop
         # serving before the download, and drop the zeros kept for serving, so that the downloaded state does
         # not sit beside them.
-        known = self.sha
+        known = self.manifest
         self.withdraw()
         self._zeros = None
         with self._network():
@@ -188,25 +194,75 @@ class SwarmPort:
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours%s", min_epoch,
                            f"; ignoring the epoch claims of {len(ignored)} untrusted peer(s) for "
                            f"{min(ignored.values()):.0f} s or more" if ignored else "")
-            self.serve(checksum=False, sha=known)
+            self.serve(checksum=False, manifest=known)
             return False
         self.evidence.adopted_from(state.donor)
+        epoch, manifest = state.epoch, state.params_manifest  # the download was verified against it
+        if not self.eager and self.swarm_epoch() == state.epoch + 1:
+            stepped = self._apply_missed_round(state, began, timeout)
+            if stepped is None:  # the downloaded tensors changed and are not the swarm's: download again
+                target = state.epoch + 1
+                del state
+                if not again:
+                    return self.resync(target, timeout, again=True)
+                self.serve(checksum=False, manifest=known)
+                return False
+            if stepped:
+                epoch, manifest = epoch + 1, stepped
         tensors = {f"param.{i}": t for i, t in enumerate(state.params)}
         if self.state.outer.momentum > 0:
             # Donors always serve a momentum (zeros when they have none); without momentum there is none to load.
             tensors.update({f"outer.momentum.{i}": t for i, t in enumerate(state.opt_tensors)})
-        self.state.load_state_tensors(tensors, state.epoch, take=True)  # the downloaded momentum becomes ours
+        self.state.load_state_tensors(tensors, epoch, take=True)  # the downloaded momentum becomes ours
         del tensors
         state.params, state.opt_tensors = [], []  # the downloaded copy goes now, not when resync returns
         self.state.begin(self.params)
-        self.serve(checksum=False, sha=state.params_sha256)  # the download was verified against this hash
+        self.serve(checksum=False, manifest=manifest)
         self.late_start_s = time.monotonic() - began
-        logger.info("Synchronised to epoch %d from %s", state.epoch, state.donor)
+        logger.info("Synchronised to epoch %d from %s", epoch, state.donor)
         return True
 
-    def published(self, epoch: int) -> None:
+    def _apply_missed_round(self, state: SwarmState, began: float,
+                            timeout: float | None) -> TensorManifest | None | bool:
+        """The swarm moved on while ``state`` downloaded: apply the round it missed to the downloaded tensors
+        (``swarm.catchup``), with the outer step every member ran (``core.delayed.apply_round``). Returns the
+        stepped parameters' manifest; ``False`` when no donor serves the update (``state`` is unchanged and
+        loaded as it is: the round policy resyncs later); ``None`` when the result failed its checks (the
+        downloaded tensors changed: the caller downloads again). The live state is not touched here."""
+        limit = self.swarm.cfg.state_download_timeout_s if timeout is None else timeout
+        with self._network():
+            update = self.swarm.download_update(state.params, state.state_sha256, state.epoch,
+                                                max(1.0, limit - (time.monotonic() - began)))
+        if update is None:
+            logger.info("The swarm is at epoch %d and no donor serves the round we missed; loading epoch %d",
+                        state.epoch + 1, state.epoch)
+            return False
+        outer = OuterOptimizer(state.params, lr=self.state.outer.lr, momentum=self.state.outer.momentum)
+        if outer.momentum > 0:  # the downloaded momentum becomes the buffers and is stepped in place
+            outer.load_state_tensors({f"{MOMENTUM_KEY_PREFIX}{i}": t for i, t in enumerate(state.opt_tensors)},
+                                     take=True)
+        apply_round(outer, RoundAggregate(update.fresh, update.stale, None))  # type: ignore[arg-type]
+        update.fresh = update.stale = None
+        manifest = tensor_manifest(state.params)
+        sha = state_sha256(state.params, state.opt_tensors, params_sha=manifest.sha)
+        with self._network():
+            votes = self.swarm.checksum_votes(state.epoch + 1)
+        verdict = state_verdict(update.donor, sha, votes, self.trusted_or_none())
+        if sha != update.result_sha or verdict is not None:
+            logger.warning("The update of epoch %d from %s does not lead to the swarm's state (%s); downloading "
+                           "the state again", state.epoch, update.donor,
+                           verdict or f"{sha[:12]}... instead of the claimed {update.result_sha[:12]}...")
+            return None
+        logger.info("Applied the round of epoch %d we missed (from %d donor(s)) to the downloaded state",
+                    state.epoch, len(update.sources))
+        return manifest
+
+    def published(self, epoch: int, update: RoundAggregate | None = None) -> None:
         # Eager peers publish no checksums: their parameters differ by their own terms by design.
-        self.serve(checksum=not self.eager)
+        served = None
+        if update is not None and not self.eager and self._base_sha is not None:
+            served = ServedUpdate(self._base_sha, update.fresh_mean, update.stale_term)
+        self.serve(checksum=not self.eager, update=served)
 
     def collect(self, epoch: int, timeout: float) -> Collected:
         with self._network():
@@ -224,25 +280,32 @@ class SwarmPort:
             self.overlap.discard(why)
 
     def delta_buffers(self) -> list[torch.Tensor] | None:
-        return None if self.eager else self.swarm.fresh_buffers()
+        if self.eager:
+            return None
+        with self._network():  # the served update lives in these buffers: joiners fetching it finish first
+            self.swarm.withdraw_update()
+        return self.swarm.fresh_buffers()
 
     def withdraw(self) -> None:
         self.wait_writer()
         with self._network():  # waits only for downloads being served
             self.swarm.withdraw()
-        self.sha = self.state_sha = None
+        self._base_sha = self.state_sha  # the state the next outer step starts from (its update's base)
+        self.manifest = self.state_sha = None
 
     # ------------------------------------------------------------------ state
 
-    def serve(self, *, checksum: bool, sha: str | None = None) -> None:
+    def serve(self, *, checksum: bool, manifest: TensorManifest | None = None,
+              update: ServedUpdate | None = None) -> None:
         """Serve the current anchors and momentum to joiners (and publish their checksum if asked). The anchors
-        are hashed here, once per state (``sha`` when already known, e.g. a verified download's); the digest
-        peers compare adds one pass over the momentum (``checksum.state_sha256``)."""
+        are hashed here, once per state (``manifest`` when already known, e.g. a verified download's); the
+        digest peers compare adds one pass over the momentum (``checksum.state_sha256``)."""
         momentum = self._momentum()
-        self.sha = sha if sha is not None else params_sha256(self.state.anchors)  # the round's one hash pass
+        # the round's one hash pass over the anchors
+        self.manifest = manifest if manifest is not None else tensor_manifest(self.state.anchors)
         with self._network():
             self.state_sha = self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum,
-                                              sha=self.sha)
+                                              manifest=self.manifest, update=update)
 
     def _momentum(self) -> list[torch.Tensor]:
         """The outer momentum as served and checksummed: zeros where the optimizer keeps none (before the
@@ -257,9 +320,9 @@ class SwarmPort:
 
     def anchors_sha(self) -> str:
         """The anchors' sha256 (hashed when they were last served)."""
-        if self.sha is None:
-            self.sha = params_sha256(self.state.anchors)
-        return self.sha
+        if self.manifest is None:
+            self.manifest = tensor_manifest(self.state.anchors)
+        return self.manifest.sha
 
     def state_digest(self) -> str:
         """The digest of anchors and momentum that peers publish and compare (computed when last served)."""

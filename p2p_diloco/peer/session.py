@@ -36,6 +36,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -86,6 +87,8 @@ class SwarmSession:
         self.state = OuterState(params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, policy=policy, device="cpu")
         self.swarm = Swarm(cfg.swarm, fingerprint, self.state.anchors,
                            wire_compression(cfg.outer.compression, cfg.outer.error_feedback), faults.swarm_hook())
+        if cfg.run.checkpoint_dir:  # a state download cut by a restart resumes from its verified chunks
+            self.swarm.partial_dir = Path(cfg.run.checkpoint_dir).expanduser() / "state-partial"
         eager = cfg.outer.overlap == "eager"
         trusted = read_allowed_peers(cfg.swarm.trusted_peers, "trusted_peers") if cfg.swarm.trusted_peers else ()
         self.port = SwarmPort(self.swarm, self.state, params, list(listeners or []), faults, eager,

@@ -219,8 +219,8 @@ class SimPort:
         self.world.publish(self.worker)
         return True
 
-    def published(self, epoch: int) -> None:
-        self.world.publish(self.worker)
+    def published(self, epoch: int, update: object = None) -> None:
+        self.world.publish(self.worker)  # the simulator's joiners take a state of any epoch: no update served
 
     def collect(self, epoch: int, timeout: float) -> Collected:
         raise NotImplementedError("the swarm simulation runs blocking rounds (--overlap none)")

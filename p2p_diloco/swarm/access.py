@@ -28,6 +28,15 @@ parameters plus 4 GB of momentum) through this peer's upload and CPU; beyond it 
 its next donor. One per peer: a second concurrent download by the same id is refused."""
 
 
+MAX_CHUNK_STREAMS = 16
+"""State chunk requests this peer serves at once (``rpc_state_chunk``): four joiners' worth at ``DEPTH`` 2 from
+each of two workers. A chunk is 1 MiB, so this bounds the serving side's buffers to 16 MiB; beyond it a joiner
+is refused and its chunks go to its other donors."""
+MAX_CHUNK_STREAMS_PER_PEER = 4
+"""Chunk requests served to one peer id at once: a joiner keeps ``DEPTH`` (2) out per donor; twice that leaves
+room for a stream that is closing on this side while the joiner's next request arrives."""
+
+
 class AccessControlMixin:
     """Checks on the averager's RPC handlers; ``_allowed`` (``None``: anyone) and ``_banned`` are set by the
     averager before its process starts."""
@@ -35,6 +44,8 @@ class AccessControlMixin:
     _allowed: frozenset[str] | None = None
     _serving: dict[str, int] | None = None
     """Peer id -> state downloads being served to it (the averager process's event loop only)."""
+    _chunk_serving: dict[str, int] | None = None
+    """Peer id -> state chunk requests being served to it (the averager process's event loop only)."""
     _banned: dict[str, str]
     _join_timing: JoinTiming
     _early: EarlyAssembly
@@ -152,3 +163,28 @@ class AccessControlMixin:
         finally:
             serving.pop(peer, None)
 
+
+    async def rpc_state_chunk(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """A state chunk or manifest (``swarm.chunk_transfer``), closed to peers that are not allowed or banned,
+        at most ``MAX_CHUNK_STREAMS_PER_PEER`` per peer and ``MAX_CHUNK_STREAMS`` at once (a refused joiner
+        gets an empty answer and fetches from its other donors)."""
+        reason = self._refuse(context.remote_id)
+        peer = context.remote_id.to_base58()
+        serving = self._chunk_serving = self._chunk_serving if self._chunk_serving is not None else {}
+        if reason is not None:
+            logger.warning("Refused a state chunk to %s: %s", context.remote_id, reason)
+            return
+        if serving.get(peer, 0) >= MAX_CHUNK_STREAMS_PER_PEER or sum(serving.values()) >= MAX_CHUNK_STREAMS:
+            logger.info("Refused a state chunk to %s: busy (%d chunk requests served)", context.remote_id,
+                        sum(serving.values()))
+            return
+        serving[peer] = serving.get(peer, 0) + 1
+        try:
+            async for message in super().rpc_state_chunk(request, context):  # type: ignore[misc]
+                yield message
+        finally:
+            serving[peer] -= 1
+            if not serving[peer]:
+                del serving[peer]

@@ -40,6 +40,7 @@ from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
+from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin
 from p2p_diloco.swarm.claims import open_gathered, sign_gather, signing_key
 from p2p_diloco.swarm.completion import confirm_complete
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
@@ -95,7 +96,8 @@ def _hook_assembly(matchmaking: Any, hook: FaultHook) -> None:
     matchmaking._assembly_hooked = True
 
 
-class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, DecentralizedAverager):
+class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, ChunkTransferMixin,
+                    DecentralizedAverager):
     """Averages pseudo-gradients shaped like ``template`` with the peers of one run and model.
 
     :param template: tensors with the shapes and floating dtypes of the pseudo-gradients (values unused).

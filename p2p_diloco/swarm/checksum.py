@@ -1,7 +1,14 @@
-"""Deterministic digests of tensor lists: parameter checksums and tensor-layout fingerprints.
+"""Deterministic digests of tensor lists: parameter checksums, chunk manifests and layout fingerprints.
 
-Peers publish ``params_sha256`` after each outer step; a peer whose digest differs from the swarm's majority
+Peers publish ``state_sha256`` after each outer step; a peer whose digest differs from the swarm's majority
 knows its parameters drifted and resyncs. Joiners verify a downloaded state against the same digest.
+
+The digest of a tensor list is built from a **manifest**: the list's bytes (each tensor's raw bytes, in
+order, back to back) are cut into :data:`~p2p_diloco.core.chunks.CHUNK_BYTES` chunks and each chunk is
+hashed; the digest covers the dtypes and shapes and then the chunk digests. Hashing costs the same single
+pass over the bytes as hashing them whole, and it lets a joiner verify every chunk of a state on receipt:
+it checks a donor's manifest against the digest the swarm voted for, then each chunk against the manifest
+(``swarm.state``). The chunk size is part of the digest, so it is a protocol constant, not a setting.
 """
 
 from __future__ import annotations
@@ -9,41 +16,90 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-_PARAMS_DOMAIN = b"p2p_diloco.params_sha256.v1"
-_STATE_DOMAIN = b"p2p_diloco.state_sha256.v2"
+from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES
+
+_PARAMS_DOMAIN = b"p2p_diloco.params_sha256.v2"
+_STATE_DOMAIN = b"p2p_diloco.state_sha256.v3"
 _LAYOUT_DOMAIN = b"p2p_diloco.layout_fingerprint.v1"
 
 
+def _header(dtype: torch.dtype, shape: Sequence[int]) -> bytes:
+    header = f"{str(dtype).removeprefix('torch.')}|{','.join(map(str, shape))}".encode()
+    return struct.pack("<Q", len(header)) + header
+
+
 def _update_header(digest: hashlib._Hash, tensor: torch.Tensor) -> None:
-    header = f"{str(tensor.dtype).removeprefix('torch.')}|{','.join(map(str, tensor.shape))}".encode()
-    digest.update(struct.pack("<Q", len(header)))
-    digest.update(header)
+    digest.update(_header(tensor.dtype, tensor.shape))
 
 
-def params_sha256(tensors: Iterable[torch.Tensor]) -> str:
-    """SHA-256 (hex) over each tensor's dtype, shape and raw bytes, in order.
+@dataclass(frozen=True)
+class TensorManifest:
+    """The digest of a tensor list and the sha256 of each of its chunks (``chunks``: 32 bytes each)."""
+
+    sha: str
+    chunks: bytes
+
+    @property
+    def count(self) -> int:
+        return len(self.chunks) // DIGEST_BYTES
+
+    def chunk(self, index: int) -> bytes:
+        return self.chunks[index * DIGEST_BYTES:(index + 1) * DIGEST_BYTES]
+
+
+def manifest_sha(layout: Sequence[tuple[torch.dtype, Sequence[int]]], total_bytes: int, chunks: bytes) -> str:
+    """The digest of a tensor list of ``layout`` (dtype, shape per tensor) whose chunks hash to ``chunks``.
+
+    A joiner calls this with its own template's layout and a donor's chunk digests: a manifest of another
+    layout, or with one chunk digest changed, gives another digest than the one the swarm published."""
+    digest = hashlib.sha256(_PARAMS_DOMAIN)
+    digest.update(struct.pack("<QQ", len(layout), CHUNK_BYTES))
+    for dtype, shape in layout:
+        digest.update(_header(dtype, shape))
+    digest.update(struct.pack("<Q", total_bytes))
+    digest.update(chunks)
+    return digest.hexdigest()
+
+
+def tensor_manifest(tensors: Iterable[torch.Tensor]) -> TensorManifest:
+    """One pass over ``tensors``: the sha256 of every chunk of their bytes and the list's digest.
 
     The bytes are those of a contiguous CPU copy, so the digest does not depend on strides, device or the
     process; two peers agree exactly when their tensors are bitwise equal (note: ``-0.0`` and ``0.0`` differ,
     and so do two NaNs with different payloads). Byte order is the machine's, little-endian on every platform
-    PyTorch supports.
+    PyTorch supports. hashlib releases the GIL on large buffers, so this runs beside the training thread.
     """
-    digest = hashlib.sha256(_PARAMS_DOMAIN)
-    count = 0
+    layout, chunks, total = [], bytearray(), 0
+    current, filled = hashlib.sha256(), 0
     for tensor in tensors:
         tensor = tensor.detach()
-        _update_header(digest, tensor)
+        layout.append((tensor.dtype, tuple(tensor.shape)))
         flat = tensor.to("cpu").contiguous().reshape(-1)
+        if not flat.numel():
+            continue
         # uint8 view: works for every dtype, bfloat16 included, which numpy cannot represent.
-        payload = flat.view(torch.uint8).numpy() if flat.numel() else b""
-        digest.update(struct.pack("<Q", flat.numel() * flat.element_size()))
-        digest.update(payload)
-        count += 1
-    digest.update(struct.pack("<Q", count))
-    return digest.hexdigest()
+        view = memoryview(flat.view(torch.uint8).numpy())
+        total += len(view)
+        offset = 0
+        while offset < len(view):
+            take = min(CHUNK_BYTES - filled, len(view) - offset)
+            current.update(view[offset:offset + take])
+            offset, filled = offset + take, filled + take
+            if filled == CHUNK_BYTES:
+                chunks += current.digest()
+                current, filled = hashlib.sha256(), 0
+    if filled:
+        chunks += current.digest()
+    return TensorManifest(manifest_sha(layout, total, bytes(chunks)), bytes(chunks))
+
+
+def params_sha256(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 (hex) of a tensor list: its dtypes, shapes and bytes (see :func:`tensor_manifest`)."""
+    return tensor_manifest(tensors).sha
 
 
 def layout_fingerprint(tensors: Sequence[torch.Tensor], extra: str = "") -> str:
@@ -59,6 +115,14 @@ def layout_fingerprint(tensors: Sequence[torch.Tensor], extra: str = "") -> str:
     return digest.hexdigest()[:16]
 
 
+def combine_state_sha(params_sha: str, momentum_sha: str) -> str:
+    """The state digest from the parameters' digest and the momentum's (see :func:`state_sha256`)."""
+    digest = hashlib.sha256(_STATE_DOMAIN)
+    digest.update(bytes.fromhex(params_sha))
+    digest.update(bytes.fromhex(momentum_sha))
+    return digest.hexdigest()
+
+
 def state_sha256(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], *,
                  params_sha: str | None = None) -> str:
     """The digest peers publish and donors serve: SHA-256 over ``params_sha256`` of the parameters and
@@ -66,7 +130,5 @@ def state_sha256(params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor
     pair honest parameters with a hostile momentum. Synchronised peers hold both bitwise equal: the same outer
     step on the same inputs. Built from the two digests so that a caller that hashed the parameters already
     (``params_sha``, the round's one pass over them) adds only the momentum's pass."""
-    digest = hashlib.sha256(_STATE_DOMAIN)
-    digest.update(bytes.fromhex(params_sha if params_sha is not None else params_sha256(params)))
-    digest.update(bytes.fromhex(params_sha256(momentum)))
-    return digest.hexdigest()
+    return combine_state_sha(params_sha if params_sha is not None else params_sha256(params),
+                             params_sha256(momentum))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import hivemind
 import torch
@@ -17,6 +18,8 @@ from hivemind.compression import CompressionBase
 
 from p2p_diloco.core.rounds import RoundResult
 from p2p_diloco.swarm.averager import RoundAverager
+from p2p_diloco.swarm.catchup import SwarmUpdate, download_update
+from p2p_diloco.swarm.checksum import TensorManifest
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.dht_writer import DhtWriter
@@ -31,7 +34,7 @@ from p2p_diloco.swarm.records import (
 )
 from p2p_diloco.swarm.runner import FaultHook
 from p2p_diloco.swarm.signing import RecordAudit, record_audit
-from p2p_diloco.swarm.state import StateServer, SwarmState, download_state
+from p2p_diloco.swarm.state import ServedUpdate, StateServer, SwarmState, download_state
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ class Swarm:
         self.server: StateServer | None = None
         self.audit: RecordAudit | None = None
         self._writer = DhtWriter()
+        self.partial_dir: Path | None = None
+        """Where a state download keeps its verified chunks so a restart resumes it (``swarm.partial``);
+        the peer sets it under its checkpoint directory. ``None``: nothing is kept."""
         self._seen: list[PeerProgress] = []
         """The progress records :meth:`records` read last: who is due in the next round."""
 
@@ -154,11 +160,13 @@ class Swarm:
     # ------------------------------------------------------------------ state
 
     def serve(self, anchors: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], epoch: int,
-              *, checksum: bool, sha: str | None = None) -> str:
+              *, checksum: bool, manifest: TensorManifest | None = None,
+              update: ServedUpdate | None = None) -> str:
         """Serve the state of ``epoch`` to joiners (the tensors themselves, no copy: call :meth:`withdraw`
         before changing them); publish its checksum too when ``checksum``. Returns its digest
-        (``checksum.state_sha256``; ``sha``: the anchors' sha256 when the caller hashed them already)."""
-        sha = self.server.publish(anchors, momentum, epoch, sha)
+        (``checksum.state_sha256``; ``manifest``: the anchors' when the caller hashed them already).
+        ``update``: the round's update that led here, served until :meth:`withdraw_update`."""
+        sha = self.server.publish(anchors, momentum, epoch, manifest, update)
         if checksum:  # in the background, as progress
             dht, run_id, ttl_s, digest = self.dht, self.cfg.run_id, self.cfg.checksum_ttl_s, sha
             self._writer.submit(f"checksum {epoch}", lambda: publish_checksum(dht, run_id, epoch, digest, ttl_s=ttl_s))
@@ -169,6 +177,17 @@ class Swarm:
         ``state_download_timeout_s``, a joiner's own limit)."""
         if self.server is not None:
             self.server.withdraw(self.cfg.state_download_timeout_s)
+
+    def withdraw_update(self) -> None:
+        """The served update's buffers are about to be overwritten (see ``StateServer.withdraw_update``)."""
+        if self.server is not None:
+            self.server.withdraw_update(self.cfg.state_download_timeout_s)
+
+    def download_update(self, templates: Sequence[torch.Tensor], base_sha: str, base_epoch: int,
+                        timeout: float) -> SwarmUpdate | None:
+        """The last round's update from state ``base_sha`` (epoch ``base_epoch``), from every donor serving
+        it; see ``swarm.catchup``."""
+        return download_update(self.averager, templates, base_sha, base_epoch, timeout=timeout)
 
     def fresh_buffers(self) -> list[torch.Tensor] | None:
         """The averager's shared fresh buffers, to write a pseudo-gradient into (None while a round holds
@@ -182,7 +201,7 @@ class Swarm:
         ``trusted`` as in ``state.download_state``."""
         # the momentum has the anchors' shapes and dtypes: the templates serve twice (only those are read)
         return download_state(self.averager, templates, templates, min_epoch=min_epoch, timeout=timeout,
-                              trusted=trusted)
+                              trusted=trusted, partial_dir=self.partial_dir)
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True) -> RoundResult:

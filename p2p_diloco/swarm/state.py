@@ -1,32 +1,42 @@
-"""State sharing for joiners: serve (parameters, outer-optimizer tensors, metadata) and download it verified.
+"""State sharing for joiners: serve (parameters, outer-optimizer tensors, metadata) and download it verified,
+from several donors at once, in chunks.
 
-Serving goes through hivemind's state protocol: a donor announces itself under ``{prefix}.all_averagers``
-with its epoch as priority, and answers ``rpc_download_state`` with msgpack metadata and protobuf tensors from
-``get_current_state`` (nothing is pickled). The donor serves its live anchors and momentum, not a copy: before
-they change (an outer step, a resync) the host withdraws them (``StateServer.withdraw``), waits for downloads
-in flight to end (at most ``state_download_timeout_s``, the joiner's own limit), and bumps a version that a
-stream checks before every message it sends, after the tensor it carries was serialized; so a download is
-either all of one epoch or cut short (the joiner then rejects it and asks the next donor). Downloading asks donors one at a time, highest epoch first, through
-the averager's own stub, and accepts a state only after checking it:
+Serving: a donor announces itself under ``{prefix}.all_averagers`` with its epoch as priority (hivemind's
+state protocol) and answers ``rpc_state_chunk`` (``swarm.chunk_transfer``) with its manifest (msgpack
+metadata and the sha256 of every 1 MiB chunk, ``core.chunks``) or one chunk's bytes (nothing is pickled).
+It serves its live anchors and momentum, not a copy: before they change (an outer step, a resync) the host
+withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most
+``state_download_timeout_s``, the joiner's own limit; a joiner that fetched a chunk in the last ``_PIN_S``
+counts as in flight), and bumps a version that a stream checks before every message it sends; so a chunk is
+either of one epoch or cut short (the joiner then fetches it from another donor). hivemind's whole-state
+stream (``rpc_download_state``) is closed. A donor also serves the last round's update for one round
+(``swarm.catchup``): a joiner whose download outlasted a round applies it instead of downloading again.
 
-- metadata: run id and model fingerprint equal ours, counts of parameter and optimizer tensors as expected;
-- tensors: count, shapes and dtypes equal the local template, every value finite, byte size bounded;
+Downloading (:func:`download_state`) reads every donor's manifest and accepts a state only after checking:
+
+- manifest: run id and model fingerprint equal ours, tensor counts and chunk digests as our template needs,
+  and the digest computed from the chunk digests and our template's layout (``checksum.manifest_sha``)
+  equals the one the donor claims; so a manifest is tied to the digest the checksum vote uses;
 - epoch: not older than the swarm's (``records.global_epoch`` unless ``min_epoch`` is given), and not past
   ``core.evidence.EPOCH_LIMIT``;
-- parameters and momentum: their digest (``checksum.state_sha256``) equals the one the donor claims, and the
-  published checksums of that epoch allow it (``core.evidence.state_verdict``): with ``trusted`` peers, a
-  state from any other donor must carry a digest trusted peers published; without trusted peers, no vote
-  counts (a head count of free identities).
+- the digest (``checksum.state_sha256``: parameters and momentum) against the published checksums of that
+  epoch (``core.evidence.state_verdict``): with ``trusted`` peers, a state from any other donor must carry a
+  digest trusted peers published; without trusted peers, no vote counts (a head count of free identities);
+- every chunk against its manifest digest, on receipt, before it is written (a donor that sends a bad one is
+  dropped and named); at the end every value finite.
 
-Donors this peer trusts are asked first; the rest in the order of their self-declared priority.
+Donors this peer trusts come first; the rest in the order of their self-declared priority. The first
+acceptable digest is fetched from every donor whose manifest names the same digest: chunks are
+content-addressed, so any of them may serve any chunk, trusted or not. A donor that fails, stalls or sends
+a bad chunk loses its chunks to the others (``core.chunks.ChunkPlan``); verified chunks are kept under
+``partial_dir`` so a restart resumes (``swarm.partial``).
 
-A rejected donor is logged with the reason and the next one is tried. ``None`` means nobody served an
+A rejected donor is logged with the reason and the next digest is tried. ``None`` means nobody served an
 acceptable state: start fresh if this is the first peer, otherwise wait and retry.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import math
@@ -36,19 +46,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
 import torch
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture, ValueWithExpiration
-from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils import ValueWithExpiration
 from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco.core.evidence import EPOCH_LIMIT, state_verdict
-from p2p_diloco.swarm.checksum import params_sha256, state_sha256
+from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap
+from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch, state_verdict
+from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, manifest_sha, tensor_manifest
+from p2p_diloco.swarm.chunk_transfer import state_chunk_map, write_chunk
+from p2p_diloco.swarm.partial import PartialStore
 from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_checksums, fetch_progress, global_epoch
 
 if TYPE_CHECKING:
@@ -56,10 +67,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2
-"""2: ``sha`` covers the outer momentum too (``checksum.state_sha256``)."""
-_MAX_METADATA_BYTES = 65536
-_GRACE_S = 10.0
+STATE_VERSION = 3
+"""2: ``sha`` covers the outer momentum too (``checksum.state_sha256``). 3: served in chunks, with a manifest
+of chunk digests from which ``sha`` is computed."""
+_PIN_S = 2.0
+"""A donor that served a chunk this recently counts as serving a download (see ``StateServer.withdraw``)."""
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
@@ -77,11 +89,15 @@ class SwarmState:
     donor: str
     """Peer id the state came from."""
     rejected: tuple[str, ...] = ()
-    """Donors tried before, each as "peer id: reason"."""
+    """Donors tried before or dropped during the download, each as "peer id: reason"."""
+    sources: tuple[str, ...] = ()
+    """Every donor asked for chunks of this state (``donor`` first)."""
+    params_manifest: TensorManifest | None = None
+    """The parameters' manifest (its ``sha`` is ``params_sha256``): serving the state needs no hash pass."""
 
 
 class StateSharingMixin:
-    """State serving and per-donor download, mixed into ``RoundAverager`` (a hivemind averager).
+    """State serving and donor lookup, mixed into ``RoundAverager`` (a hivemind averager).
 
     Call :meth:`init_state_sharing` before the averager process starts: the two counters it creates live in
     shared memory, read and written by both processes."""
@@ -92,7 +108,12 @@ class StateSharingMixin:
         self._state_version = mp.Value(ctypes.c_int64, 0)
         """Bumped by the host before the served tensors change; a stream stops when it changed."""
         self._streams_open = mp.Value(ctypes.c_int64, 0)
-        """Downloads being served right now (the host waits for them before changing the state)."""
+        """Downloads and chunk requests being served right now (the host waits for them before changing the
+        state)."""
+        self._manifests_served = mp.Value(ctypes.c_int64, 0)
+        """Manifests handed to joiners: each download (or catch-up) of our state starts with one."""
+        self._last_chunk_served = mp.Value(ctypes.c_double, 0.0)
+        """Wall time the last state chunk was served: a joiner between two requests is still downloading."""
 
     def bump_state_version(self) -> None:
         with self._state_version.get_lock():
@@ -101,23 +122,20 @@ class StateSharingMixin:
     def streams_open(self) -> int:
         return int(self._streams_open.value)
 
+    def manifests_served(self) -> int:
+        return int(self._manifests_served.value)
+
+    def downloading(self) -> bool:
+        """A joiner is downloading our state: a stream is open, or a chunk was served moments ago (a joiner
+        between two chunk requests)."""
+        return self.streams_open() > 0 or time.time() - self._last_chunk_served.value < _PIN_S
+
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's stream, stopped as soon as the host's state changed under it (see the module docstring)."""
-        with self._streams_open.get_lock():
-            self._streams_open.value += 1
-        try:
-            version = self._state_version.value
-            async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
-                # the tensor in ``message`` was serialized before this check: if the version still holds, the
-                # host had not started changing the state then
-                if self._state_version.value != version:
-                    logger.info("Stopped serving a state download: this peer's state changed meanwhile")
-                    return
-                yield message
-        finally:
-            with self._streams_open.get_lock():
-                self._streams_open.value -= 1
+        """hivemind's whole-state stream: closed. Joiners fetch chunks (``rpc_state_chunk``), each verified on
+        receipt; a second way to pull the whole model would only be a second way to load this peer."""
+        return
+        yield  # an async generator that yields nothing
 
     def set_state_provider(self, provider: StateProvider | None) -> None:
         """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
@@ -158,124 +176,67 @@ class StateSharingMixin:
                 donors.append((peer.to_base58(), float(priority), random.random()))
         return [(peer, priority) for peer, priority, _ in sorted(donors, key=lambda d: (-d[1], d[2]))]
 
-    def download_state_from(
-        self, peer: str, *, timeout: float, max_bytes: int, dtypes: Sequence[str], max_tensors: int
-    ) -> tuple[bytes | None, list[torch.Tensor]]:
-        """Raw ``(metadata bytes, tensors)`` from one donor, bounded in time, bytes and tensor count."""
-        future = MPFuture()
-        request = dict(
-            peer=PeerID.from_base58(peer).to_bytes(),
-            timeout=timeout,
-            max_bytes=max_bytes,
-            dtypes=tuple(dtypes),
-            max_tensors=max_tensors,
-            future=future,
-        )
-        self._outer_pipe.send(("_download_state_from", [], request))  # type: ignore[attr-defined]
-        return future.result(timeout=timeout + _GRACE_S)
-
-    async def _download_state_from(
-        self,
-        peer: bytes,
-        timeout: float,
-        max_bytes: int,
-        dtypes: tuple[str, ...],
-        max_tensors: int,
-        future: MPFuture,
-    ) -> None:
-        try:
-            fetched = await asyncio.wait_for(
-                self._fetch_state(PeerID(peer), max_bytes, dtypes, max_tensors), timeout
-            )
-            future.set_result(fetched)
-        except Exception as e:
-            # a plain RuntimeError: the original may not survive the trip to the host process
-            future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
-
-    async def _fetch_state(
-        self, peer: PeerID, max_bytes: int, dtypes: tuple[str, ...], max_tensors: int
-    ) -> tuple[bytes | None, list[torch.Tensor]]:
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)  # type: ignore[attr-defined]
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, parts, tensors, received, started = None, [], [], 0, 0
-        async for message in aiter_with_timeout(stream, self.next_chunk_timeout):  # type: ignore[attr-defined]
-            received += message.ByteSize()
-            if received > max_bytes:
-                raise ValueError(f"donor sent more than the expected {max_bytes} bytes")
-            if message.metadata:
-                if metadata is not None or len(message.metadata) > _MAX_METADATA_BYTES:
-                    raise ValueError("donor sent metadata twice or too large")
-                metadata = bytes(message.metadata)
-            part = message.tensor_part
-            if part.dtype:
-                if part.dtype not in dtypes:
-                    raise ValueError(f"donor sent a tensor of unexpected dtype {part.dtype[:32]!r}")
-                started += 1
-                if started > max_tensors:
-                    raise ValueError(f"donor sent more than {max_tensors} tensors")
-                if parts:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-            parts.append(part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return metadata, tensors
+def make_state_metadata(run_id: str, fingerprint: str, epoch: int, sha: str, params: TensorManifest,
+                        momentum: TensorManifest, n_params: int, n_opt: int) -> dict:
+    """The served manifest: who and what the state is, and the sha256 of each of its chunks."""
+    return {"v": STATE_VERSION, "run": run_id, "fp": fingerprint, "ep": epoch, "sha": sha, "np": n_params,
+            "no": n_opt, "cs": CHUNK_BYTES, "pc": params.chunks, "mc": momentum.chunks}
 
 
-def make_state_metadata(
-    run_id: str, fingerprint: str, epoch: int, sha: str, n_params: int, n_opt: int
-) -> dict:
-    return {
-        "v": STATE_VERSION,
-        "run": run_id,
-        "fp": fingerprint,
-        "ep": epoch,
-        "sha": sha,
-        "np": n_params,
-        "no": n_opt,
-    }
+@dataclass
+class ServedUpdate:
+    """The round's update that turned state ``base_sha`` (epoch ``epoch - 1``) into the served one: the tensors
+    ``core.delayed.apply_round`` applied (the fresh mean, the late-work term; ``None`` where the round had
+    none). Served, not copied: they are the averager's buffers, valid until the next round writes into them
+    (``StateServer.withdraw_update``)."""
+
+    base_sha: str
+    fresh: list[torch.Tensor] | None
+    stale: list[torch.Tensor] | None
 
 
 class StateServer:
     """Serves this peer's live state to joiners: ``publish`` after each change, ``withdraw`` before the next.
 
     No copy is kept: the tensors served are the anchors and momentum themselves (CPU), so serving costs no
-    memory beyond hivemind's per-tensor serialization. The price: the owner must call :meth:`withdraw` before
-    changing them, which waits for downloads in flight (bounded, see the module docstring).
+    memory beyond one chunk per request being answered. The price: the owner must call :meth:`withdraw`
+    before changing them, which waits for downloads in flight (bounded, see the module docstring).
     """
 
     def __init__(self, averager: RoundAverager):
         self._averager = averager
         self._lock = threading.Lock()
         self._state: tuple[dict[str, Any], list[torch.Tensor]] | None = None
-        self.served = 0
-        """Downloads handed the state so far. hivemind runs ``get_current_state`` in this (host) process
-        (its background thread answers the averager process), so a plain counter under the lock is exact."""
+        self._update: ServedUpdate | None = None
+        self._update_meta: dict[str, Any] | None = None
         self.waited_s = 0.0
         """Seconds :meth:`withdraw` spent waiting for downloads in flight, in total."""
 
     def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int,
-                sha: str | None = None) -> str:
+                manifest: TensorManifest | None = None, update: ServedUpdate | None = None) -> str:
         """Serve ``params`` and ``opt_tensors`` (CPU tensors, not copied) as the state of ``epoch``; returns
-        its digest (``checksum.state_sha256``). ``sha``: the parameters' sha256 when the caller hashed them
-        already (one pass over them per round; the digest then adds only the momentum's pass).
+        its digest (``checksum.state_sha256``). ``manifest``: the parameters' manifest when the caller hashed
+        them already (one pass over them per round; the digest then adds only the momentum's pass).
+        ``update``: the round's update that led here, served until :meth:`withdraw_update`.
 
         A client-mode peer serves nothing: it accepts no incoming connections, so no joiner could download
         from it, and hivemind refuses to announce its state. It only gets the checksum back.
         """
-        sha = sha if sha is not None else params_sha256(params)
+        manifest = manifest if manifest is not None else tensor_manifest(params)
+        momentum = tensor_manifest(opt_tensors)
+        sha = combine_state_sha(manifest.sha, momentum.sha)
         if self._averager.client_mode:
-            return state_sha256(params, opt_tensors, params_sha=sha)
+            return sha
         tensors = [t.detach() for t in (*params, *opt_tensors)]
-        if any(t.device.type != "cpu" for t in tensors):
+        extra = [*(update.fresh or ()), *(update.stale or ())] if update is not None else []
+        if any(t.device.type != "cpu" for t in (*tensors, *extra)):
             raise ValueError("the served state must be CPU tensors (keep anchors and momentum on the CPU)")
-        sha = state_sha256(params, opt_tensors, params_sha=sha)
         cfg = self._averager.cfg
-        metadata = make_state_metadata(
-            cfg.run_id, self._averager.fingerprint, int(epoch), sha, len(params), len(opt_tensors)
-        )
+        metadata = make_state_metadata(cfg.run_id, self._averager.fingerprint, int(epoch), sha, manifest, momentum,
+                                       len(params), len(opt_tensors))
         with self._lock:
             self._state = (metadata, tensors)
+            self._update, self._update_meta = update, None
         self._averager.state_sharing_priority = float(epoch)  # donors with newer state are asked first
         self._averager.set_state_provider(self._provide)
         return sha
@@ -284,22 +245,50 @@ class StateServer:
         with self._lock:
             if self._state is None:
                 raise RuntimeError("this peer's state is changing; ask another donor")
-            self.served += 1
-            return self._state
+            state_meta, tensors = self._state
+            update, extra = self._update, []
+            if update is not None:
+                fresh, stale = list(update.fresh or ()), list(update.stale or ())
+                if self._update_meta is None:  # hashed once, when a joiner first asks (not every round)
+                    fm, sm = tensor_manifest(fresh), tensor_manifest(stale)
+                    self._update_meta = dict(state_meta, ep=state_meta["ep"] - 1, base=update.base_sha,
+                                             to=state_meta["sha"], sha=combine_state_sha(fm.sha, sm.sha),
+                                             np=len(fresh), no=len(stale), pc=fm.chunks, mc=sm.chunks)
+                extra = [t.detach() for t in (*fresh, *stale)]
+            return {"s": state_meta, "u": self._update_meta if update is not None else None}, tensors + extra
+
+    @property
+    def served(self) -> int:
+        """Downloads of our state (or of its round update) begun so far: manifests handed out."""
+        return self._averager.manifests_served()
+
+    def withdraw_update(self, timeout: float) -> None:
+        """The update's buffers are about to be overwritten (the next round's pseudo-gradient): stop serving
+        it, as :meth:`withdraw` does for the state. Nothing to wait for when none is served."""
+        with self._lock:
+            if self._update is None:
+                return
+            self._update = self._update_meta = None
+        self._wait_and_cut(timeout)
 
     def withdraw(self, timeout: float) -> None:
         """The served tensors are about to change: stop handing them out, wait up to ``timeout`` s for the
-        downloads in flight to end, then make any still running stop before their next message."""
+        downloads in flight to end (a joiner fetching chunks counts until it paused ``_PIN_S``), then make
+        any still running stop before their next message."""
         with self._lock:
             self._state = None
+            self._update = self._update_meta = None
+        self._wait_and_cut(timeout)
+
+    def _wait_and_cut(self, timeout: float) -> None:
         if self._averager.client_mode or not self._averager.is_alive():
             return
         began = time.monotonic()
         deadline = began + timeout
-        while self._averager.streams_open() > 0 and time.monotonic() < deadline:
+        while self._averager.downloading() and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self._averager.streams_open() > 0:
-            logger.warning("A state download still runs after %.0f s; cutting it off to apply the outer step",
+        if self._averager.downloading():
+            logger.warning("A state download still runs after %.0f s; cutting it off to change our state",
                            timeout)
         self._averager.bump_state_version()
         self.waited_s += time.monotonic() - began
@@ -309,37 +298,51 @@ class StateServer:
         self._averager.set_state_provider(None)
 
 
-def check_state_metadata(raw: bytes | None, run_id: str, fingerprint: str, n_params: int, n_opt: int) -> dict | str:
-    """A donor's state metadata if it is valid and describes our run and model, else the reason it is not."""
-    if raw is None:
-        return "donor sent no metadata (it is probably not sharing state)"
+def check_state_metadata(raw: bytes | str | None, run_id: str, fingerprint: str,
+                         layouts: tuple[list[tuple[torch.dtype, tuple[int, ...]]], ...],
+                         chunks: ChunkMap) -> dict | str:
+    """A donor's manifest if it is valid, describes our run and model, and hashes to the digest it claims;
+    else the reason it is not. ``layouts``: (dtype, shape) of our parameters and of our momentum."""
+    if raw is None or isinstance(raw, str):
+        return raw or "donor sent no manifest (it is probably not sharing state)"
+    if len(raw) > max_manifest_bytes(chunks):
+        return "manifest too large"
     try:
         meta = MSGPackSerializer.loads(raw)
     except Exception:
-        return "metadata is not valid msgpack"
-    if not isinstance(meta, dict) or set(meta) != {"v", "run", "fp", "ep", "sha", "np", "no"}:
-        return "metadata lacks the expected fields"
+        return "manifest is not valid msgpack"
+    if not isinstance(meta, dict) or set(meta) != {"v", "run", "fp", "ep", "sha", "np", "no", "cs", "pc", "mc"}:
+        return "manifest lacks the expected fields"
     if meta["v"] != STATE_VERSION:
         return f"unsupported state version {meta['v']!r}"
     if meta["run"] != run_id or meta["fp"] != fingerprint:
         return f"state of run {str(meta['run'])[:64]!r} / model {str(meta['fp'])[:64]!r}, not ours"
-    if isinstance(meta["ep"], bool) or not isinstance(meta["ep"], int) or not 0 <= meta["ep"] <= 10**9:
-        return "invalid epoch"
-    if meta["ep"] > EPOCH_LIMIT:
-        return f"implausible epoch {meta['ep']} (over {EPOCH_LIMIT})"
+    if not plausible_epoch(meta["ep"]):
+        return f"implausible epoch {str(meta['ep'])[:32]} (over {EPOCH_LIMIT} or not an integer)"
     if not isinstance(meta["sha"], str) or not SHA256_PATTERN.fullmatch(meta["sha"]):
-        return "invalid parameter checksum"
-    if meta["np"] != n_params or meta["no"] != n_opt:
-        return f"donor has {meta['np']!r} parameter and {meta['no']!r} optimizer tensors, expected {n_params} and {n_opt}"
+        return "invalid state checksum"
+    params_layout, opt_layout = layouts
+    if meta["np"] != len(params_layout) or meta["no"] != len(opt_layout):
+        return (f"donor has {str(meta['np'])[:16]} parameter and {str(meta['no'])[:16]} optimizer tensors, "
+                f"expected {len(params_layout)} and {len(opt_layout)}")
+    if meta["cs"] != CHUNK_BYTES:
+        return f"chunks of {str(meta['cs'])[:16]} bytes, expected {CHUNK_BYTES}"
+    for key, count in (("pc", chunks.region_chunks[0]), ("mc", chunks.region_chunks[1])):
+        if not isinstance(meta[key], bytes) or len(meta[key]) != count * DIGEST_BYTES:
+            return f"manifest does not list the {count} chunk digests our model's state has"
+    sha = combine_state_sha(manifest_sha(params_layout, chunks.region_bytes[0], meta["pc"]),
+                            manifest_sha(opt_layout, chunks.region_bytes[1], meta["mc"]))
+    if sha != meta["sha"]:
+        return f"manifest hashes to {sha[:12]}..., the donor claims {meta['sha'][:12]}... (or another layout)"
     return meta
 
 
-def _check_tensors(tensors: list[torch.Tensor], templates: Sequence[torch.Tensor]) -> str | None:
-    if len(tensors) != len(templates):
-        return f"donor sent {len(tensors)} tensors, expected {len(templates)}"
-    for i, (tensor, template) in enumerate(zip(tensors, templates, strict=True)):
-        if tuple(tensor.shape) != tuple(template.shape) or tensor.dtype != template.dtype:
-            return f"tensor {i} is {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(template.shape)} {template.dtype}"
+def max_manifest_bytes(chunks: ChunkMap) -> int:
+    return 4096 + chunks.count * (DIGEST_BYTES + 1)
+
+
+def nonfinite(tensors: Sequence[torch.Tensor]) -> str | None:
+    for i, tensor in enumerate(tensors):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return f"tensor {i} holds NaN or infinite values"
     return None
@@ -354,14 +357,22 @@ def download_state(
     timeout: float | None = None,
     max_donors: int = 8,
     trusted: frozenset[str] | None = None,
+    partial_dir: Path | None = None,
 ) -> SwarmState | None:
-    """Download and verify the swarm's state, trying up to ``max_donors`` donors within ``timeout`` seconds
+    """Download and verify the swarm's state from up to ``max_donors`` donors within ``timeout`` seconds
     (default ``cfg.state_download_timeout_s``). ``min_epoch`` defaults to the swarm's global epoch.
     ``trusted``: the peers whose donors and checksums this peer trusts (``core.evidence``), or ``None`` when
-    none of them is online (a newcomer)."""
+    none of them is online (a newcomer). ``partial_dir``: where verified chunks are kept so that a download
+    cut by a restart resumes (``swarm.partial``); ``None`` keeps nothing.
+
+    Every donor's manifest is read first (small) and checked against the digest it claims; the first
+    acceptable digest in donor order (trusted donors first, then by epoch) is downloaded from every donor
+    serving that same digest at once (``swarm.chunk_transfer``), each chunk checked on receipt."""
     cfg = averager.cfg
     deadline = time.monotonic() + (timeout if timeout is not None else cfg.state_download_timeout_s)
     templates = list(template_params) + list(template_opt)
+    layouts = ([(t.dtype, tuple(t.shape)) for t in template_params], [(t.dtype, tuple(t.shape)) for t in template_opt])
+    chunks = state_chunk_map(templates, len(template_params))
     try:
         donors = averager.state_donors()
         if trusted:
@@ -370,66 +381,76 @@ def download_state(
         if min_epoch is None:
             progress = fetch_progress(averager.dht, cfg.run_id)
             min_epoch = global_epoch(progress, fingerprint=averager.fingerprint) or 0
+        raw = averager.fetch_manifests([peer for peer, _ in donors], max_bytes=max_manifest_bytes(chunks),
+                                       timeout=max(1.0, min(cfg.next_chunk_timeout_s, deadline - time.monotonic())))
     except Exception as e:
-        logger.warning("Cannot look up state donors or the swarm's epoch: %r", e)
+        logger.warning("Cannot look up state donors, their manifests or the swarm's epoch: %r", e)
         return None
-    expected_bytes = sum(t.numel() * t.element_size() for t in templates)
-    max_bytes = int(expected_bytes * 1.05) + 2**20 + len(templates) * 1024  # protobuf fields and part headers
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in templates})
-    votes: dict[int, dict[str, str]] = {}
+    manifests: dict[str, dict] = {}
     rejected: list[str] = []
-    outvoted_only: list[str] = []  # newcomers: donors whose only fault was a head count of untrusted votes
+    for peer, _priority in donors:
+        meta = check_state_metadata(raw.get(peer), cfg.run_id, averager.fingerprint, layouts, chunks)
+        if isinstance(meta, dict) and meta["ep"] < min_epoch:
+            meta = f"state of epoch {meta['ep']} is older than the swarm's epoch {min_epoch}"
+        if isinstance(meta, str):
+            logger.warning("Rejected state from %s: %s", peer, meta)
+            rejected.append(f"{peer}: {meta}")
+        else:
+            manifests[peer] = meta
+    votes: dict[int, dict[str, str]] = {}
+    tried: set[str] = set()
+    dest: list[torch.Tensor] = []
 
     def attempt(peer: str, count_votes: bool) -> tuple[SwarmState | None, str | None, bool]:
-        """(state, problem, vetoed by votes alone) of one donor."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None, "not tried, state_download_timeout_s ran out", False
-        try:
-            raw, tensors = averager.download_state_from(
-                peer, timeout=remaining, max_bytes=max_bytes, dtypes=dtypes, max_tensors=len(templates)
-            )
-            meta = check_state_metadata(
-                raw, cfg.run_id, averager.fingerprint, len(template_params), len(template_opt)
-            )
-            problem = meta if isinstance(meta, str) else _check_tensors(tensors, templates)
-        except Exception as e:
-            return None, f"download failed: {e}", False
-        if problem is None and meta["ep"] < min_epoch:
-            problem = f"state of epoch {meta['ep']} is older than the swarm's epoch {min_epoch}"
-        if problem is not None:
-            return None, problem, False
-        params = tensors[: len(template_params)]
-        params_sha = params_sha256(params)
-        sha = state_sha256(params, tensors[len(template_params) :], params_sha=params_sha)
-        if sha != meta["sha"]:
-            return None, f"parameters and momentum hash to {sha[:12]}..., the donor claims {meta['sha'][:12]}...", False
+        """(state, problem, vetoed by votes alone) of the digest ``peer`` serves."""
+        meta = manifests[peer]
+        sha = meta["sha"]
         if count_votes:
             if meta["ep"] not in votes:
                 votes[meta["ep"]] = fetch_checksums(averager.dht, cfg.run_id, meta["ep"])
             verdict = state_verdict(peer, sha, votes[meta["ep"]], trusted)
             if verdict is not None:
                 return None, f"parameters {sha[:12]}... {verdict} for epoch {meta['ep']}", trusted is None
-        state = SwarmState(params=params, opt_tensors=tensors[len(template_params) :], epoch=meta["ep"],
-                           state_sha256=sha, params_sha256=params_sha, donor=peer, rejected=tuple(rejected))
+        if sha in tried:
+            return None, "its state failed already from other donors", False
+        tried.add(sha)
+        sources = [peer] + [p for p, m in manifests.items() if m["sha"] == sha and p != peer]
+        if not dest:
+            dest.extend(torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
+                        for t in templates)
+        problem, dropped = fetch_verified(averager, sources, meta, dest, chunks, partial_dir, deadline)
+        rejected.extend(f"{p}: {reason}" for p, reason in dropped.items())
+        problem = problem or nonfinite(dest)
+        if problem is not None:
+            return None, problem, False
+        n = len(template_params)
+        state = SwarmState(params=dest[:n], opt_tensors=dest[n:], epoch=meta["ep"], state_sha256=sha,
+                           params_sha256=manifest_sha(layouts[0], chunks.region_bytes[0], meta["pc"]),
+                           donor=peer, rejected=tuple(rejected), sources=tuple(sources),
+                           params_manifest=TensorManifest(manifest_sha(layouts[0], chunks.region_bytes[0],
+                                                                       meta["pc"]), meta["pc"]))
         return state, None, False
 
-    for peer, _priority in donors:
+    outvoted_only: list[str] = []  # newcomers: donors whose only fault was a head count of untrusted votes
+    for peer in manifests:
+        if time.monotonic() >= deadline:
+            rejected.append(f"{peer}: not tried, state_download_timeout_s ran out")
+            break
         state, problem, vetoed = attempt(peer, count_votes=True)
         if state is not None:
-            logger.info("Loaded state of epoch %d from %s", state.epoch, peer)
+            logger.info("Loaded state of epoch %d from %d donor(s), first %s", state.epoch, len(state.sources), peer)
             return state
         logger.warning("Rejected state from %s: %s", peer, problem)
         rejected.append(f"{peer}: {problem}")
         if vetoed:
             outvoted_only.append(peer)
-        if problem.startswith("not tried"):
-            break
     # A newcomer counts votes only to choose among donors: voters it cannot tell apart are free identities,
     # and letting them veto every donor kept joiners from the honest state and split the swarm at start-up
     # (ten Sybil votes against the one honest donor, tests/integration/test_red_team.py). An attacker that
     # serves a state can vote for it as well, so the veto protected nothing a newcomer could otherwise keep.
     for peer in outvoted_only:
+        if time.monotonic() >= deadline:
+            break
         state, problem, _ = attempt(peer, count_votes=False)
         if state is not None:
             logger.warning("Loaded state of epoch %d from %s, which only untrusted checksum votes contradicted "
@@ -437,5 +458,37 @@ def download_state(
                            state.epoch, peer)
             return state
         rejected.append(f"{peer}: {problem}")
-    logger.info("No acceptable state from %d donor(s)", len(rejected))
+    logger.info("No acceptable state from %d donor(s)", len(donors))
     return None
+
+
+def fetch_verified(averager: RoundAverager, sources: list[str], meta: dict, dest: list[torch.Tensor], chunks: ChunkMap,
+           partial_dir: Path | None, deadline: float) -> tuple[str | None, dict[str, str]]:
+    """Fill ``dest`` with the state ``meta`` describes: chunks kept on disk first, then from ``sources`` in
+    parallel. Returns (what went wrong or ``None``, donors dropped with their reasons)."""
+    digests = meta["pc"] + meta["mc"]
+    store = PartialStore(partial_dir, meta["sha"], chunks) if partial_dir is not None else None
+    have: set[int] = set()
+    if store is not None:
+        try:
+            store.prepare()
+        except OSError as e:
+            logger.warning("Cannot keep the state download on disk (%s): it will not resume after a restart", e)
+            store = None
+    if store is not None:
+        views = [t.reshape(-1).view(torch.uint8).numpy() for t in dest]
+        have = store.load(digests, lambda index, data: write_chunk(views, chunks, index, data))
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return "state_download_timeout_s ran out", {}
+    try:
+        result = averager.fetch_chunks(sources, meta["sha"], dest, meta["np"], digests, have,
+                                       store.directory if store is not None else None, remaining)
+    except Exception as e:
+        return f"download failed: {e}", {}
+    missing = chunks.count - len(result["done"])
+    if missing:
+        return f"download incomplete: {missing} of {chunks.count} chunks missing (kept the rest)", result["dropped"]
+    if store is not None:
+        store.remove()
+    return None, result["dropped"]

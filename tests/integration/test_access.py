@@ -2,7 +2,8 @@
 
 A private peer (``allowed_peers`` lists itself and a friend) serves state. Two real hivemind p2p nodes dial
 it on loopback: the friend, whose key is in the list, and an outsider. The outsider is refused by
-``rpc_join_group``, ``rpc_aggregate_part`` and ``rpc_download_state``; the friend is served. Both then send
+``rpc_join_group``, ``rpc_aggregate_part`` and ``rpc_state_chunk``; the friend is served (hivemind's
+``rpc_download_state`` answers nobody: state goes out in verified chunks only). Both then send
 undecodable bytes to every RPC, and the private peer must still serve the friend afterwards.
 """
 
@@ -19,15 +20,17 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter
+from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.swarm import RoundAverager, StateServer, SwarmConfig, start_dht, visible_maddrs
+from p2p_diloco.swarm.chunk_transfer import MANIFEST, encode_request
 from p2p_diloco.swarm.dht import ensure_identity
 from p2p_diloco.swarm.group import MemberInfo, encode_gather, plan_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 FINGERPRINT = "abcdef0123456789"
-RPCS = ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state")
+RPCS = ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state", "rpc_state_chunk")
 
 
 @pytest.fixture
@@ -73,6 +76,8 @@ async def _probe(averager: RoundAverager, maddrs: list[str], identity: str | Non
         join = await _first(await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"x", expiration=0)))
         part = await _first(await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"nope"))))
         download = await _first(await stub.rpc_download_state(averaging_pb2.DownloadRequest()))
+        manifest = await _first(await stub.rpc_state_chunk(
+            averaging_pb2.DownloadData(metadata=encode_request(None, MANIFEST))))
         garbage_answers = {}
         for rpc in RPCS:
             name = f"{averager.prefix}::RoundAverager.{rpc}"
@@ -85,7 +90,7 @@ async def _probe(averager: RoundAverager, maddrs: list[str], identity: str | Non
                 garbage_answers[rpc] = b""  # the server dropped the stream while we were still writing
             finally:
                 writer.close()
-        return dict(join=join, part=part, download=download, garbage=garbage_answers)
+        return dict(join=join, part=part, download=download, manifest=manifest, garbage=garbage_answers)
     finally:
         await p2p.shutdown()
 
@@ -99,13 +104,14 @@ def test_allowed_peers_is_enforced_on_every_averager_rpc_and_garbage_is_survived
     # refused: at most a PROTOCOL_VIOLATION reply (never ACCEPTED, never a part), no state at all
     assert {m.code for m in outsider["join"]} <= {averaging_pb2.PROTOCOL_VIOLATION}, outsider["join"]
     assert {m.code for m in outsider["part"]} <= {averaging_pb2.PROTOCOL_VIOLATION}, outsider["part"]
-    assert outsider["download"] == []
+    assert outsider["download"] == [] and outsider["manifest"] == []
 
     friend = asyncio.run(_probe(averager, maddrs, friend_key))
     # admitted: past the access check, hivemind's own checks answer (not looking for a group, unknown group)
     assert averaging_pb2.PROTOCOL_VIOLATION not in {m.code for m in friend["join"]}, friend["join"]
     assert {m.code for m in friend["part"]} <= {averaging_pb2.BAD_GROUP_ID}, friend["part"]
-    assert friend["download"] and friend["download"][0].metadata  # served
+    assert friend["download"] == []  # hivemind's whole-state stream is closed to everyone: chunks only
+    assert friend["manifest"] and MSGPackSerializer.loads(friend["manifest"][0].metadata)["ep"] == 2
 
     # garbage to every RPC was answered (a reply or an error) or the stream closed (b""), never left hanging ...
     for probe in (outsider, friend):
@@ -114,7 +120,7 @@ def test_allowed_peers_is_enforced_on_every_averager_rpc_and_garbage_is_survived
     # ... and the peer survived it and still serves its friend
     assert averager.is_alive()
     again = asyncio.run(_probe(averager, maddrs, friend_key))
-    assert again["download"] and again["download"][0].metadata
+    assert again["manifest"] and again["manifest"][0].metadata
 
 
 def test_plan_refuses_members_outside_allowed_peers_on_every_member_alike(tmp_path: Path) -> None:

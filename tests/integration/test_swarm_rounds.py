@@ -12,6 +12,7 @@ from swarm_helpers.harness import Swarm
 from swarm_helpers.peer import pattern
 
 from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -228,13 +229,18 @@ def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
 
 
 def test_state_download_rejects_bad_donors_and_uses_a_good_one(swarm: Swarm) -> None:
+    """Bad manifests are refused before any chunk is fetched; the good digest is fetched from every donor
+    serving it at once, and survives one of them dying mid-transfer and another sending chunks that fail
+    their hash (both named)."""
     cfg = _cfg()
-    common = dict(shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg)
+    shapes = [[1536, 1024], [1000]]  # 6 MiB of parameters and as much momentum: 14 chunks
+    common = dict(shapes=shapes, fingerprint=FINGERPRINT, cfg=cfg)
     good = [
         swarm.spawn(
             f"good{i}",
             role="donor",
             state=dict(kind="good", value=7.0, epoch=5, priority=1.0 + i, publish_checksum=True),
+            fault="kill_on_second_chunk" if i == 1 else "",
             **common,
         )
         for i in range(2)
@@ -244,20 +250,31 @@ def test_state_download_rejects_bad_donors_and_uses_a_good_one(swarm: Swarm) -> 
         kind: swarm.spawn(
             kind, role="donor", state=dict(kind=kind, value=7.0, epoch=5, priority=priority), **common
         )
-        for kind, priority in (("nan", 30.0), ("shape", 20.0), ("tampered", 10.0))
+        for kind, priority in (("nan", 30.0), ("shape", 20.0), ("tampered", 10.0), ("bad_chunks", 3.0))
     }
     joiner = swarm.spawn("joiner", role="joiner", **common)
     swarm.wait_ready()
     assert all(p.info["declared"] for p in good + list(bad.values()))
     result = swarm.result(joiner)
     state = result["state"]
-    assert state is not None
-    assert state["donor"] in {p.info["peer_id"] for p in good}
+    assert state is not None, swarm.warnings()
+    ids = {name: p.info["peer_id"] for name, p in [*bad.items(), ("good0", good[0]), ("good1", good[1])]}
+    # the first acceptable digest (bad_chunks' manifest is honest) is fetched from all three serving it
+    assert set(state["sources"]) == {ids["bad_chunks"], ids["good0"], ids["good1"]}
+    assert state["donor"] in state["sources"]
     assert state["epoch"] == 5
+    expected = state_sha256(pattern(shapes, 7.0), pattern(shapes, 107.0))
+    assert state["sha"] == expected and state["received_sha"] == expected
     rejected = {line.split(":")[0]: line for line in state["rejected"]}
-    assert "NaN" in rejected[bad["nan"].info["peer_id"]]
-    assert "expected (3, 4)" in rejected[bad["shape"].info["peer_id"]]
-    assert "differ from the checksum 2/2 untrusted peers published" in rejected[bad["tampered"].info["peer_id"]]
-    _assert_close(state["params"], [t.double() for t in pattern(SHAPES, 7.0)])
-    _assert_close(state["opt"], [t.double() for t in pattern(SHAPES, 107.0)])
+    assert "differ from the checksum 2/2 untrusted peers published" in rejected[ids["nan"]]
+    assert "another layout" in rejected[ids["shape"]] or "chunk digests" in rejected[ids["shape"]]
+    assert "differ from the checksum 2/2 untrusted peers published" in rejected[ids["tampered"]]
+    assert "failed its hash" in rejected[ids["bad_chunks"]]
+    assert "chunk" in rejected[ids["good1"]]  # died mid-transfer: its chunks went to good0
+    assert good[1].proc.wait(timeout=5) != 0
+    # the round update good donors serve for a joiner one round behind: from the surviving one, intact
+    update = result["update"]
+    assert update is not None and update["sources"] == [ids["good0"]], swarm.warnings()
+    assert update["to"] == expected and not update["stale"]
+    assert update["fresh_sha"] == params_sha256(pattern(shapes, 0.5))
     assert result["too_old_result"] == "None"

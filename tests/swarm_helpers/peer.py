@@ -27,12 +27,13 @@ from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQ
 
 from p2p_diloco.peer.faults import FaultPlan, parse_faults
 from p2p_diloco.swarm.averager import RoundAverager
-from p2p_diloco.swarm.checksum import params_sha256, state_sha256
+from p2p_diloco.swarm.catchup import download_update
+from p2p_diloco.swarm.checksum import combine_state_sha, params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import fetch_progress, publish_checksum, publish_progress, run_validator
-from p2p_diloco.swarm.state import StateServer, download_state, make_state_metadata
+from p2p_diloco.swarm.state import ServedUpdate, StateServer, download_state, make_state_metadata
 
 MAX_WAIT_S = 60.0
 
@@ -61,7 +62,17 @@ def deny_completion(stage: str) -> bool | None:
     return False if stage == "confirm" else None
 
 
-FAULT_HOOKS = {"kill_on_part_sent": kill_own_process_group, "deny_confirm": deny_completion}
+def kill_on_second_chunk(stage: str, served: list[int] = []) -> None:  # noqa: B006 - a counter across calls
+    """Fault hook: SIGKILL this donor as it is about to send its second state chunk (a donor dying
+    mid-transfer: a joiner asks each donor for two chunks at once, so the second request always comes)."""
+    if stage == "state_chunk":
+        served.append(1)
+        if len(served) == 2:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+FAULT_HOOKS = {"kill_on_part_sent": kill_own_process_group, "deny_confirm": deny_completion,
+               "kill_on_second_chunk": kill_on_second_chunk}
 
 
 def wait_until_declared(averager: RoundAverager, timeout: float = MAX_WAIT_S) -> bool:
@@ -141,6 +152,11 @@ def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]
     )
 
 
+def base_state(shapes: list[list[int]], value: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The state good donors say their update applies to (any state: the joiner only checks the wire)."""
+    return pattern(shapes, value - 1.0), pattern(shapes, value + 99.0)
+
+
 def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
     state = spec["state"]
     params = pattern(spec["shapes"], state["value"])
@@ -150,22 +166,25 @@ def serve_state(spec: dict[str, Any], averager: RoundAverager) -> None:
         publish_checksum(averager.dht, averager.cfg.run_id, epoch, state_sha256(params, opt))
     kind = state["kind"]
     if kind == "good":
-        StateServer(averager).publish(params, opt, epoch)
+        # with the update that led to this state from a base state (``swarm.catchup``): value - 1 plus this
+        update = ServedUpdate(state_sha256(*base_state(spec["shapes"], state["value"])), pattern(spec["shapes"], 0.5), None)
+        StateServer(averager).publish(params, opt, epoch, update=update)
     else:
-        sha = state_sha256(params, opt)
+        served = params + opt
         if kind == "nan":
             params[0][0] = float("nan")
-            sha = state_sha256(params, opt)
         elif kind == "shape":
             params[0] = params[0].reshape(-1)[:-1].clone()
-            sha = state_sha256(params, opt)
         elif kind == "tampered":  # self-consistent, but not what the swarm's majority published
             params[0] = params[0] + 1.0
-            sha = state_sha256(params, opt)
-        meta = make_state_metadata(
-            averager.cfg.run_id, averager.fingerprint, epoch, sha, len(params), len(opt)
-        )
-        averager.set_state_provider(lambda: (meta, params + opt))
+        elif kind == "bad_chunks":  # the honest manifest, but every chunk it sends is altered
+            served = [t + 1.0 for t in params + opt]
+        pm, om = tensor_manifest(params), tensor_manifest(opt)
+        meta = make_state_metadata(averager.cfg.run_id, averager.fingerprint, epoch, combine_state_sha(pm.sha, om.sha),
+                                   pm, om, len(params), len(opt))
+        if kind != "bad_chunks":
+            served = params + opt
+        averager.set_state_provider(lambda: ({"s": meta, "u": None}, served))
     averager.state_sharing_priority = float(state["priority"])
 
 
@@ -215,19 +234,28 @@ def main() -> None:
     elif role == "joiner":
         shapes = spec["shapes"]
         templates = (pattern(shapes, 0.0), pattern(shapes, 0.0))
-        state = download_state(averager, *templates, timeout=30.0)
+        partial = Path(spec["partial_dir"]) if spec.get("partial_dir") else None
+        state = download_state(averager, *templates, timeout=30.0, partial_dir=partial)
+        if state is not None:  # the good donors' update, from the state they name (chunks checked on receipt)
+            update = download_update(averager, templates[0], state_sha256(*base_state(shapes, 7.0)), 4, timeout=30.0)
+            out["update"] = None if update is None else dict(
+                sources=list(update.sources), to=update.result_sha, fresh_sha=params_sha256(update.fresh or []),
+                stale=update.stale is not None)
         # every donor serves an epoch below this one: all are rejected and the caller gets None
         out["too_old_result"] = repr(download_state(averager, *templates, min_epoch=10**6, timeout=30.0))
+        small = sum(t.numel() for t in templates[0]) <= 1000
         out["state"] = (
             None
             if state is None
             else dict(
                 donor=state.donor,
+                sources=list(state.sources),
                 epoch=state.epoch,
                 sha=state.state_sha256,
+                received_sha=state_sha256(state.params, state.opt_tensors),  # hashed again from the bytes
                 rejected=list(state.rejected),
-                params=tensors_json(state.params),
-                opt=tensors_json(state.opt_tensors),
+                params=tensors_json(state.params) if small else None,
+                opt=tensors_json(state.opt_tensors) if small else None,
             )
         )
     elif role == "donor":

@@ -147,7 +147,7 @@ class FakePort:
         self.state.begin(self.params)
         return True
 
-    def published(self, epoch: int) -> None:
+    def published(self, epoch: int, update: object = None) -> None:
         self.calls.append(("published", epoch))
 
     def collect(self, epoch: int, timeout: float) -> Collected:

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from p2p_diloco.core.delayed import StalenessPolicy
+from p2p_diloco.core.delayed import Contribution, StalenessPolicy, aggregate_round
 from p2p_diloco.core.evidence import EPOCH_LIMIT, Claim, Evidence, outvoted, state_verdict
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.peer.faults import NO_FAULTS
 from p2p_diloco.peer.port import SwarmPort
-from p2p_diloco.swarm.checksum import params_sha256, state_sha256
+from p2p_diloco.swarm.checksum import params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.group import MemberInfo
 from p2p_diloco.swarm.records import ProgressRecord
 
@@ -126,13 +126,18 @@ class ScriptedSwarm:
     """What ``SwarmPort`` asks of ``swarm.facade.Swarm``, scripted: records, votes, downloads, rounds."""
 
     peer_id: str = "me"
-    cfg: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_round_weight=100.0))
+    cfg: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_round_weight=100.0,
+                                                                         state_download_timeout_s=60.0))
     averaged: list[tuple[float, float]] = field(default_factory=list)
     claims: dict[str, int] = field(default_factory=dict)
     speeds: dict[str, float] = field(default_factory=dict)
     votes: dict[str, str] = field(default_factory=dict)
     donor: SimpleNamespace | None = None
     downloads: list[tuple[int, frozenset[str] | None]] = field(default_factory=list)
+    update: SimpleNamespace | None = None
+    """What ``download_update`` returns (``swarm.catchup``)."""
+    moves_on: dict[str, int] = field(default_factory=dict)
+    """Claims that change while a download runs (the swarm moved on meanwhile)."""
     result: RoundResult | None = None
 
     def records(self) -> list[SimpleNamespace]:
@@ -144,10 +149,21 @@ class ScriptedSwarm:
 
     def download(self, templates, min_epoch, timeout=None, trusted=None):  # noqa: ANN001, ANN201
         self.downloads.append((min_epoch, trusted))
-        return self.donor
+        self.claims.update(self.moves_on)
+        donor = self.donor
+        if isinstance(donor, list):  # a sequence of downloads
+            donor = donor.pop(0)
+        return donor
 
-    def serve(self, anchors, momentum, epoch, *, checksum, sha=None) -> str:  # noqa: ANN001
-        return state_sha256(anchors, momentum, params_sha=sha)
+    def download_update(self, templates, base_sha, base_epoch, timeout):  # noqa: ANN001, ANN201
+        update, self.update = self.update, None
+        return update if update is not None and update.base == (base_sha, base_epoch) else None
+
+    def withdraw_update(self) -> None:
+        pass
+
+    def serve(self, anchors, momentum, epoch, *, checksum, manifest=None, update=None) -> str:  # noqa: ANN001
+        return state_sha256(anchors, momentum, params_sha=manifest.sha if manifest is not None else None)
 
     def withdraw(self) -> None:
         pass
@@ -183,7 +199,8 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
     swarm.claims["a"] = 4  # a trusted peer ahead still pulls this one along, checked against trusted peers
     assert port.observe(3).swarm_epoch == 4
     swarm.donor = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a",
-                                  params_sha256=params_sha256([torch.ones(4)]))
+                                  params_sha256=params_sha256([torch.ones(4)]),
+                                  params_manifest=tensor_manifest([torch.ones(4)]))
     assert port.resync(4)
     assert swarm.downloads[-1] == (4, frozenset({"a", "b"}))
 
@@ -216,3 +233,59 @@ def test_port_dylu_compares_only_trusted_speeds() -> None:
     assert port.trusted_speeds() == []  # a claimed 10^12 steps/s would have cut everybody to min_local_steps
     port.evidence.averaged_with(["a"])
     assert port.trusted_speeds() == [("a", 3.0)]
+
+
+def _swarm_states() -> tuple[OuterState, list[torch.Tensor], SimpleNamespace]:
+    """The swarm's outer state at epoch 3 (after real outer steps), and the round update that takes it to 4."""
+    truth = OuterState([torch.zeros(4)], lr=0.7, momentum=0.9, policy=StalenessPolicy(), device="cpu")
+    for k in range(3):
+        truth.apply(aggregate_round([Contribution([torch.full((4,), 0.1 * (k + 1))], 1.0, 0, "a")]))
+    update = [torch.tensor([0.3, -0.2, 0.0, 1e-3])]
+    return truth, update, SimpleNamespace()
+
+
+def _download_of(truth: OuterState, donor: str) -> SimpleNamespace:
+    params = [a.clone() for a in truth.anchors]
+    momentum = [m.clone() for m in truth.outer.momentum_buffers()]
+    manifest = tensor_manifest(params)
+    return SimpleNamespace(params=params, opt_tensors=momentum, epoch=truth.epoch, donor=donor,
+                           state_sha256=state_sha256(params, momentum), params_manifest=manifest,
+                           params_sha256=manifest.sha)
+
+
+def test_a_joiner_one_round_behind_applies_the_missed_round_and_takes_part_in_the_next() -> None:
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    base = (download.state_sha256, 3)
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))  # the round the joiner misses
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+    # the download was of epoch 3; while it ran, the swarm reached epoch 4 and voted its digest
+    swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=download,
+                          votes={"a": swarm_sha, "b": swarm_sha},
+                          update=SimpleNamespace(base=base, fresh=fresh, stale=None, result_sha=swarm_sha,
+                                                 donor="a", sources=("a", "b")))
+    port, state = _port(swarm)
+    assert port.resync(3)
+    assert len(swarm.downloads) == 1  # one download, then the update: not a second download
+    assert state.epoch == 4 and port.state_digest() == swarm_sha  # bitwise the swarm's state
+    assert port.observe(4).swarm_epoch == 4  # not behind: the round policy averages, it does not resync
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 4, contributors=("me", "a", "b"), rejected=())
+    port.average([torch.ones(4)], 1.0, 0, 4, None, 0.0)
+    assert swarm.averaged == [(1.0, 0.0)]  # it contributed to the round right after its download
+
+
+def test_an_update_that_does_not_lead_to_the_voted_state_is_dropped_for_a_second_download() -> None:
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    base = (download.state_sha256, 3)
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+    newest = _download_of(truth, "b")
+    lying = SimpleNamespace(base=base, fresh=[t + 1.0 for t in fresh], stale=None, result_sha=swarm_sha,
+                            donor="a", sources=("a",))
+    swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=[download, newest],
+                          votes={"a": swarm_sha, "b": swarm_sha}, update=lying)
+    port, state = _port(swarm)
+    assert port.resync(3)
+    assert [m for m, _ in swarm.downloads] == [3, 4]  # the stepped result failed its check: downloaded again
+    assert state.epoch == 4 and port.state_digest() == swarm_sha

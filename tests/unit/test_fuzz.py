@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 
 from p2p_diloco.core.codecs import get_codec
 from p2p_diloco.core.hivemind_codecs import CodecCompression
+from p2p_diloco.swarm.checksum import combine_state_sha, tensor_manifest
+from p2p_diloco.swarm.chunk_transfer import state_chunk_map
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.group import MemberInfo, decode_gather, encode_gather, plan_group
 from p2p_diloco.swarm.records import (
@@ -211,18 +213,27 @@ def test_signed_subkeys_parse_or_give_a_reason(subkey: object) -> None:
     assert isinstance(parsed, str) or (subkey == SIGNED and parsed == (KEY_PEER.to_base58(),) * 2)
 
 
+_STATE = [torch.zeros(2), torch.ones(2)]
+_LAYOUTS = ([(t.dtype, tuple(t.shape)) for t in _STATE], [(t.dtype, tuple(t.shape)) for t in _STATE])
+_CHUNKS = state_chunk_map(_STATE + _STATE, 2)
+
+
 @FUZZ
 @given(raw=st.one_of(st.none(), st.binary(max_size=120)), mutate=st.dictionaries(
-    st.sampled_from(["v", "run", "fp", "ep", "sha", "np", "no", "x"]), values, max_size=3))
+    st.sampled_from(["v", "run", "fp", "ep", "sha", "np", "no", "cs", "pc", "mc", "x"]), values, max_size=3))
 def test_state_metadata_is_accepted_only_when_it_is_ours(raw: bytes | None, mutate: dict) -> None:
+    manifest = tensor_manifest(_STATE)
     if mutate:
+        honest = make_state_metadata("run", FINGERPRINT, 4, combine_state_sha(manifest.sha, manifest.sha),
+                                     manifest, manifest, 2, 2)
         try:
-            raw = MSGPackSerializer.dumps({**make_state_metadata("run", FINGERPRINT, 4, "a" * 64, 2, 2), **mutate})
+            raw = MSGPackSerializer.dumps({**honest, **mutate})
         except (TypeError, ValueError, OverflowError):
             return
-    meta = check_state_metadata(raw, "run", FINGERPRINT, 2, 2)
+    meta = check_state_metadata(raw, "run", FINGERPRINT, _LAYOUTS, _CHUNKS)
     if isinstance(meta, dict):
         assert meta["run"] == "run" and meta["fp"] == FINGERPRINT and meta["np"] == 2 and meta["no"] == 2
+        assert meta["pc"] == meta["mc"] == manifest.chunks  # a manifest accepted is the one tied to its digest
 
 
 @FUZZ

@@ -134,3 +134,43 @@ def test_state_serving_is_one_download_per_peer_and_a_few_at_once() -> None:
     again, extra, *served, later = asyncio.run(scenario())
     assert again == [] and extra == []  # a second download by one id, and one past the limit: refused
     assert served == [["state"]] * MAX_STATE_DOWNLOADS and later == ["state"]  # slots come back
+
+
+def test_chunk_serving_is_bounded_per_peer_and_in_all() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from p2p_diloco.swarm.access import MAX_CHUNK_STREAMS, MAX_CHUNK_STREAMS_PER_PEER, AccessControlMixin
+
+    class Serving:
+        def __init__(self) -> None:
+            self.gate = asyncio.Event()
+
+        async def rpc_state_chunk(self, request, context):  # noqa: ANN001, ANN202
+            await self.gate.wait()
+            yield "chunk"
+
+    class Donor(AccessControlMixin, Serving):
+        _banned: dict[str, str] = {}  # noqa: RUF012
+        peer_id = PeerID(b"\x01" * 34)
+
+    def context(peer: int) -> SimpleNamespace:
+        return SimpleNamespace(remote_id=PeerID(bytes([peer + 2]) * 34))
+
+    async def ask(donor: Donor, peer: int) -> list[str]:
+        return [m async for m in donor.rpc_state_chunk(None, context(peer))]
+
+    async def scenario() -> tuple[list[str], list[str], list[list[str]], list[str]]:
+        donor = Donor()
+        per_peer = MAX_CHUNK_STREAMS_PER_PEER
+        busy = [asyncio.create_task(ask(donor, p // per_peer)) for p in range(MAX_CHUNK_STREAMS)]
+        await asyncio.sleep(0.05)  # every slot taken: 16 requests from 4 peers
+        own, other = await ask(donor, 0), await ask(donor, 99)
+        donor.gate.set()
+        return own, other, await asyncio.gather(*busy), await ask(donor, 0)
+
+    own, other, served, later = asyncio.run(scenario())
+    assert own == [] and other == []  # one more from a peer at its limit, and one past the total: refused
+    assert served == [["chunk"]] * MAX_CHUNK_STREAMS and later == ["chunk"]  # slots come back

@@ -1,0 +1,191 @@
+"""Chunks of a state and who fetches which: the network-free half of the multi-donor state download.
+
+A state (parameters, then outer momentum) is a list of tensors; its bytes, back to back, are cut into
+chunks of :data:`CHUNK_BYTES`. :class:`ChunkMap` says which tensor bytes each chunk covers, so a chunk is
+written straight into its destination tensors. Each region (the parameters, the momentum) starts a new chunk,
+so each region's digest is computed from its own chunk digests (``swarm.checksum``).
+
+:class:`ChunkPlan` is the assignment policy. It is pull-based: each donor asks for its next chunk when it has
+fewer than ``depth`` requests out, so a slow donor simply fetches fewer chunks and a fast one more, with no
+speed estimate to get wrong. When nothing is left to hand out, an idle donor is given a copy of the oldest
+request still out at another donor (the first answer wins), so one slow donor cannot hold up the end of the
+download. A donor that fails (error, refusal, a chunk that fails its hash) is dropped and its outstanding
+chunks go back to the front of the queue for the others. The swarm side (``swarm.chunk_transfer``) runs the
+requests; a fake drives the same class in ``tests/unit/test_chunks.py``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+CHUNK_BYTES = 1 << 20
+"""1 MiB. Small enough that a chunk takes about 8 s at 1 Mbit/s, so a donor that dies or stalls costs at most
+a few seconds of transfer before its chunks move on, and a state of a few MB (the testbed's) still spreads
+over several donors. Large enough that a 1B-parameter state (4 GB of parameters + 4 GB of momentum) is 8192
+chunks: a 256 KiB manifest, and a request's overhead (one stream, one round trip, hidden by ``depth``
+requests out per donor) is noise next to its transfer. It is part of the digest (``swarm.checksum``): every
+peer of a run must use the same value."""
+
+DIGEST_BYTES = 32
+"""sha256."""
+
+
+class ChunkMap:
+    """Which bytes of which tensor each chunk holds.
+
+    Args:
+        regions: for each region (parameters, momentum), the byte size of each of its tensors, in order.
+            Tensors are numbered across regions (the second region's first tensor follows the first's last).
+    """
+
+    def __init__(self, regions: Sequence[Sequence[int]], chunk_bytes: int = CHUNK_BYTES) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self._starts: list[int] = []  # first chunk of each region
+        self._offsets: list[list[int]] = []  # per region: cumulative byte offset of each tensor
+        self._first_tensor: list[int] = []
+        self.region_bytes: list[int] = []
+        self.region_chunks: list[int] = []
+        chunk, tensor = 0, 0
+        for sizes in regions:
+            if any(s < 0 for s in sizes):
+                raise ValueError("tensor sizes must be non-negative")
+            offsets = [0]
+            for size in sizes:
+                offsets.append(offsets[-1] + size)
+            self._starts.append(chunk)
+            self._offsets.append(offsets)
+            self._first_tensor.append(tensor)
+            self.region_bytes.append(offsets[-1])
+            count = -(-offsets[-1] // chunk_bytes)
+            self.region_chunks.append(count)
+            chunk += count
+            tensor += len(sizes)
+        self.count = chunk
+        self.total_bytes = sum(self.region_bytes)
+
+    def region_of(self, index: int) -> tuple[int, int]:
+        """``(region, index within it)`` of chunk ``index``."""
+        if not 0 <= index < self.count:
+            raise IndexError(f"chunk {index} out of range [0, {self.count})")
+        region = bisect.bisect_right(self._starts, index) - 1
+        while self.region_chunks[region] == 0 or index - self._starts[region] >= self.region_chunks[region]:
+            region += 1  # skip empty regions that share a start
+        return region, index - self._starts[region]
+
+    def length(self, index: int) -> int:
+        region, local = self.region_of(index)
+        return min(self.chunk_bytes, self.region_bytes[region] - local * self.chunk_bytes)
+
+    def spans(self, index: int) -> list[tuple[int, int, int]]:
+        """``(tensor, start byte, stop byte)`` pieces of chunk ``index``, in order; their lengths add up to
+        :meth:`length`."""
+        region, local = self.region_of(index)
+        offsets = self._offsets[region]
+        begin = local * self.chunk_bytes
+        end = min(begin + self.chunk_bytes, offsets[-1])
+        out = []
+        t = bisect.bisect_right(offsets, begin) - 1
+        while begin < end:
+            while offsets[t + 1] <= begin:
+                t += 1  # empty tensors
+            stop = min(end, offsets[t + 1])
+            out.append((self._first_tensor[region] + t, begin - offsets[t], stop - offsets[t]))
+            begin = stop
+        return out
+
+    def file_offset(self, index: int) -> int:
+        """Where chunk ``index`` lies in a file holding every chunk at a fixed stride (partial downloads)."""
+        return index * self.chunk_bytes
+
+
+class ChunkPlan:
+    """Which donor fetches which chunk (see the module docstring).
+
+    Args:
+        count: chunks in the state.
+        donors: peers serving it (all the same digest: any of them can serve any chunk).
+        have: chunks already verified (e.g. from a partial download on disk).
+        depth: requests out per donor at once; 2 hides a request's round trip behind the previous transfer.
+        copies: the most donors one chunk is requested from at once (the end-of-download duplicates).
+        clock: monotonic seconds (a fake in tests).
+    """
+
+    def __init__(self, count: int, donors: Iterable[str], *, have: Iterable[int] = (), depth: int = 2,
+                 copies: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+        self.count, self.depth, self.copies, self._clock = count, depth, copies, clock
+        self.done: set[int] = {i for i in have if 0 <= i < count}
+        self.pending: deque[int] = deque(i for i in range(count) if i not in self.done)
+        self.out: dict[str, dict[int, float]] = {d: {} for d in donors}
+        """donor -> chunk -> when it was requested."""
+        self.dropped: dict[str, str] = {}
+        """donor -> why it was dropped."""
+        self.served: dict[str, int] = dict.fromkeys(self.out, 0)
+        """donor -> chunks it delivered first (and that passed their hash)."""
+        self.overtaken: dict[str, int] = {}
+        """donor -> its requests that another donor answered first (a slow donor; its copy is ignored)."""
+
+    @property
+    def finished(self) -> bool:
+        return len(self.done) == self.count
+
+    @property
+    def hopeless(self) -> bool:
+        """Every donor was dropped and chunks are missing."""
+        return not self.finished and not self.out
+
+    def _holders(self, chunk: int) -> int:
+        return sum(1 for reqs in self.out.values() if chunk in reqs)
+
+    def next(self, donor: str) -> int | None:
+        """The chunk ``donor`` should fetch now, or ``None`` (dropped, enough requests out, or nothing left
+        to hand out: wait for a change)."""
+        requests = self.out.get(donor)
+        if requests is None or len(requests) >= self.depth or self.finished:
+            return None
+        while self.pending:
+            chunk = self.pending.popleft()
+            if chunk not in self.done:
+                requests[chunk] = self._clock()
+                return chunk
+        # the end: copy the oldest request out at another donor
+        oldest: tuple[float, int] | None = None
+        for other, reqs in self.out.items():
+            if other == donor:
+                continue
+            for chunk, since in reqs.items():
+                if chunk not in requests and chunk not in self.done and self._holders(chunk) < self.copies:
+                    if oldest is None or since < oldest[0]:
+                        oldest = (since, chunk)
+        if oldest is None:
+            return None
+        requests[oldest[1]] = self._clock()
+        return oldest[1]
+
+    def received(self, donor: str, chunk: int) -> bool:
+        """``donor`` delivered ``chunk`` and it passed its hash; ``True`` when it is the first copy (write it)."""
+        requests = self.out.get(donor)
+        asked = requests.pop(chunk, None) if requests is not None else None
+        if chunk in self.done or not 0 <= chunk < self.count:
+            return False
+        self.done.add(chunk)
+        self.served[donor] = self.served.get(donor, 0) + 1
+        for other, reqs in self.out.items():
+            if asked is not None and reqs.get(chunk, asked) < asked:  # asked before the winner, answered later
+                self.overtaken[other] = self.overtaken.get(other, 0) + 1
+        return True
+
+    def failed(self, donor: str, reason: str) -> list[int]:
+        """Drop ``donor``; its outstanding chunks that nobody else is fetching go back to the front of the
+        queue. Returns them."""
+        requests = self.out.pop(donor, None)
+        if requests is None:
+            return []
+        self.dropped[donor] = reason
+        back = [c for c in sorted(requests) if c not in self.done and self._holders(c) == 0]
+        self.pending.extendleft(reversed(back))
+        return back

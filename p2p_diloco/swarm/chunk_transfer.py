@@ -1,0 +1,297 @@
+"""The wire half of the multi-donor state download: serve a state chunk by chunk, fetch chunks from donors.
+
+Both halves run in the averager process, which owns this peer's hivemind ``P2P``. One RPC,
+``rpc_state_chunk`` on the averager's servicer, carries both kinds of request in hivemind's own protobuf
+messages (nothing is pickled):
+
+- request: ``DownloadData.metadata`` = 32 bytes of digest + 4 bytes little-endian chunk index; index
+  ``MANIFEST`` asks for a manifest: with an all-zero digest the served state's (msgpack metadata with the
+  sha256 of every chunk, ``swarm.state``), with a state's digest the manifest of the last round's update
+  from that state to the served one (``swarm.catchup``); any other index asks for a chunk of the state or
+  update of that digest;
+- answer: the manifest in ``metadata``, or the chunk's bytes in ``tensor_part.buffer``, in parts of
+  :data:`PART_BYTES` so that ``next_chunk_timeout`` measures progress, not a whole chunk's transfer at
+  1 Mbit/s. An empty answer means "not served" (another digest now, refused, or busy).
+
+A donor serves its live anchors and momentum, fetched once from the host process per version of the state
+(``StateSharingMixin``), and stops a stream as soon as the host withdrew them, as the whole-state stream does.
+The fetching side sizes everything before decoding: a manifest is bounded by the template's chunk count, a
+chunk by its known length, and a chunk is hashed before a byte of it is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2p_diloco.core.chunks import DIGEST_BYTES, ChunkMap, ChunkPlan
+from p2p_diloco.swarm.partial import PartialStore
+
+if TYPE_CHECKING:
+    import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = 0xFFFFFFFF
+"""The chunk index that asks for the manifest."""
+PART_BYTES = 1 << 18
+"""256 KiB per message: 2 s at 1 Mbit/s, so a stalled donor is noticed within ``next_chunk_timeout``."""
+DEPTH = 2
+"""Chunk requests out per donor (``ChunkPlan.depth``)."""
+_GRACE_S = 10.0
+
+
+def encode_request(sha: str | None, index: int) -> bytes:
+    return (bytes.fromhex(sha) if sha else bytes(DIGEST_BYTES)) + struct.pack("<I", index)
+
+
+def decode_request(raw: bytes) -> tuple[str, int] | None:
+    if len(raw) != DIGEST_BYTES + 4:
+        return None
+    return raw[:DIGEST_BYTES].hex(), struct.unpack("<I", raw[DIGEST_BYTES:])[0]
+
+
+def state_chunk_map(tensors: Sequence[torch.Tensor], n_params: int) -> ChunkMap:
+    """The chunks of a state: the first ``n_params`` tensors are one region, the rest another."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    return ChunkMap([sizes[:n_params], sizes[n_params:]])
+
+
+def _byte_views(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    return [t.detach().reshape(-1).view(torch.uint8).numpy() for t in tensors]
+
+
+def read_chunk(views: Sequence[np.ndarray], chunks: ChunkMap, index: int) -> bytes:
+    return b"".join(views[t][a:b].tobytes() for t, a, b in chunks.spans(index))
+
+
+def write_chunk(views: Sequence[np.ndarray], chunks: ChunkMap, index: int, data: bytes) -> None:
+    import numpy as np
+
+    source = np.frombuffer(data, dtype=np.uint8)
+    offset = 0
+    for t, a, b in chunks.spans(index):
+        views[t][a:b] = source[offset:offset + b - a]
+        offset += b - a
+
+
+_ANY = bytes(DIGEST_BYTES).hex()
+
+
+@dataclass
+class _Served:
+    """What the averager process serves for one version of the host's state (views, not copies)."""
+
+    version: int
+    manifests: dict[str, bytes]
+    """Request digest -> manifest (msgpack): all zeros for the state's, the base state's digest for the
+    update's."""
+    objects: dict[str, tuple[list[np.ndarray], ChunkMap]]
+    """Digest -> byte views of its tensors and their chunks."""
+
+    @classmethod
+    def of(cls, version: int, metadata: dict, tensors: Sequence[torch.Tensor]) -> _Served:
+        state, update = metadata["s"], metadata.get("u")
+        n_state = state["np"] + state["no"]
+        views = _byte_views(tensors)
+        manifests = {_ANY: MSGPackSerializer.dumps(state)}
+        objects = {state["sha"]: (views[:n_state], state_chunk_map(tensors[:n_state], state["np"]))}
+        if update is not None:
+            manifests[update["base"]] = MSGPackSerializer.dumps(update)
+            objects[update["sha"]] = (views[n_state:], state_chunk_map(tensors[n_state:], update["np"]))
+        return cls(version, manifests, objects)
+
+
+class ChunkTransferMixin:
+    """``rpc_state_chunk`` and the chunk fetcher, mixed into ``RoundAverager`` after ``StateSharingMixin``."""
+
+    _served_cache: _Served | None = None
+
+    async def _served(self, version: int) -> _Served | None:
+        cache = self._served_cache
+        if cache is not None and cache.version == version:
+            return cache
+        self._served_cache = None
+        if not self.allow_state_sharing:  # type: ignore[attr-defined]
+            return None
+        try:
+            metadata, tensors, _ = await self._get_current_state_from_host_process()  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - withdrawn meanwhile: not served
+            logger.debug("No state to serve: %r", e)
+            return None
+        if self._state_version.value != version:  # type: ignore[attr-defined]
+            return None
+        cache = self._served_cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
+        return cache
+
+    async def rpc_state_chunk(self, request: averaging_pb2.DownloadData,
+                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """One chunk of the served state or update, or a manifest (see the module docstring)."""
+        parsed = decode_request(request.metadata)
+        if parsed is None:
+            return
+        sha, index = parsed
+        with self._streams_open.get_lock():  # type: ignore[attr-defined]
+            self._streams_open.value += 1  # type: ignore[attr-defined]
+        try:
+            version = self._state_version.value  # type: ignore[attr-defined]
+            served = await self._served(version)
+            if served is None:
+                return
+            if index == MANIFEST:
+                manifest = served.manifests.get(sha)
+                if manifest is not None:
+                    with self._manifests_served.get_lock():  # type: ignore[attr-defined]
+                        self._manifests_served.value += 1  # type: ignore[attr-defined]
+                    yield averaging_pb2.DownloadData(metadata=manifest)
+                return
+            found = served.objects.get(sha)
+            if found is None or index >= found[1].count:
+                return
+            data = read_chunk(*found, index)
+            self._fault_hook("state_chunk")  # type: ignore[attr-defined]
+            for offset in range(0, len(data), PART_BYTES):
+                if self._state_version.value != version:  # type: ignore[attr-defined]
+                    logger.info("Stopped serving a state chunk: this peer's state changed meanwhile")
+                    return
+                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(
+                    buffer=data[offset:offset + PART_BYTES]))
+            self._last_chunk_served.value = time.time()  # type: ignore[attr-defined]
+        finally:
+            with self._streams_open.get_lock():  # type: ignore[attr-defined]
+                self._streams_open.value -= 1  # type: ignore[attr-defined]
+                if self._streams_open.value == 0:  # type: ignore[attr-defined]
+                    self._served_cache = None  # holds no old tensors alive once nobody downloads
+
+    # ------------------------------------------------------------------ fetching (host side)
+
+    def fetch_manifests(self, peers: Sequence[str], *, timeout: float, max_bytes: int,
+                        base: str | None = None) -> dict[str, bytes | str]:
+        """Each donor's raw state manifest (msgpack, at most ``max_bytes``), or why there is none; with
+        ``base``, the manifest of the update it serves from state ``base`` to its own."""
+        future = MPFuture()
+        self._outer_pipe.send(("_fetch_manifests", [], dict(  # type: ignore[attr-defined]
+            peers=list(peers), timeout=timeout, max_bytes=max_bytes, base=base, future=future)))
+        return future.result(timeout=timeout + _GRACE_S)
+
+    def fetch_chunks(self, peers: Sequence[str], sha: str, dest: Sequence[torch.Tensor], n_params: int,
+                     digests: bytes, have: set[int], partial: Path | None, timeout: float) -> dict[str, Any]:
+        """Fetch the chunks of state ``sha`` not in ``have`` from ``peers`` in parallel, each checked against
+        ``digests`` and written into ``dest`` (shared-memory tensors), and kept in ``partial`` if given.
+        Returns ``done`` (chunk indices now held) and ``dropped`` (donor -> reason)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_fetch_chunks", [], dict(  # type: ignore[attr-defined]
+            peers=list(peers), sha=sha, dest=list(dest), n_params=n_params, digests=digests, have=sorted(have),
+            partial=str(partial) if partial else None, timeout=timeout, future=future)))
+        return future.result(timeout=timeout + _GRACE_S)
+
+    # ------------------------------------------------------------------ fetching (averager process)
+
+    async def _request(self, peer: str, sha: str | None, index: int, max_bytes: int) -> tuple[bytes, bytes]:
+        """(metadata, data) of one answer, at most ``max_bytes`` in all; raises when the donor sent nothing."""
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)  # type: ignore[attr-defined]
+        stream = await stub.rpc_state_chunk(averaging_pb2.DownloadData(metadata=encode_request(sha, index)))
+        metadata, parts, received = b"", [], 0
+        async for message in aiter_with_timeout(stream, self.next_chunk_timeout):  # type: ignore[attr-defined]
+            received += len(message.metadata) + len(message.tensor_part.buffer)
+            if received > max_bytes:
+                raise ValueError(f"sent more than the expected {max_bytes} bytes")
+            metadata = metadata or bytes(message.metadata)
+            parts.append(message.tensor_part.buffer)
+        if not received:
+            raise ValueError("sent nothing (it serves another state now, or is busy)")
+        return metadata, b"".join(parts)
+
+    async def _fetch_manifests(self, peers: list[str], timeout: float, max_bytes: int, base: str | None,
+                               future: MPFuture) -> None:
+        async def one(peer: str) -> bytes | str:
+            try:
+                metadata, _ = await asyncio.wait_for(self._request(peer, base, MANIFEST, max_bytes), timeout)
+                return metadata
+            except Exception as e:  # noqa: BLE001 - any failure is this donor's
+                return f"no manifest: {type(e).__name__}: {e}"
+
+        try:
+            answers = await asyncio.gather(*(one(p) for p in peers))
+            future.set_result(dict(zip(peers, answers, strict=True)))
+        except Exception as e:  # noqa: BLE001 - a plain RuntimeError survives the trip to the host
+            future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
+
+    async def _fetch_chunks(self, peers: list[str], sha: str, dest: list[torch.Tensor], n_params: int,
+                            digests: bytes, have: list[int], partial: str | None, timeout: float,
+                            future: MPFuture) -> None:
+        chunks = state_chunk_map(dest, n_params)
+        plan = ChunkPlan(chunks.count, peers, have=have, depth=DEPTH)
+        views = _byte_views(dest)
+        store = PartialStore(Path(partial), sha, chunks) if partial else None
+        changed, complete = asyncio.Event(), asyncio.Event()
+
+        def drop(peer: str, reason: str) -> None:
+            if peer in plan.out:
+                logger.warning("Dropped state donor %s: %s (its chunks go to the other donors)", peer, reason)
+                plan.failed(peer, reason)
+            changed.set()
+
+        async def worker(peer: str) -> None:
+            while not plan.finished and peer in plan.out:
+                index = plan.next(peer)
+                if index is None:
+                    changed.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(changed.wait(), 1.0)
+                    continue
+                length = chunks.length(index)
+                try:
+                    _, data = await self._request(peer, sha, index, length)
+                except Exception as e:  # noqa: BLE001 - any failure is this donor's
+                    drop(peer, f"chunk {index}: {type(e).__name__}: {e}")
+                    return
+                if len(data) != length:  # the stream ended early without an error (the donor stopped serving)
+                    drop(peer, f"chunk {index} cut short: {len(data)} of {length} bytes")
+                    return
+                if hashlib.sha256(data).digest() != digests[index * DIGEST_BYTES:(index + 1) * DIGEST_BYTES]:
+                    drop(peer, f"chunk {index} failed its hash")
+                    return
+                if plan.received(peer, index):
+                    write_chunk(views, chunks, index, data)
+                    if store is not None:
+                        store.write(index, data)
+                    if plan.finished:
+                        complete.set()
+                changed.set()
+
+        try:
+            # Ends when every chunk is in, even while copies of the last requests are still out at slow donors
+            # (they are cancelled), when every donor was dropped, or at the deadline.
+            tasks = [asyncio.create_task(worker(p)) for p in peers for _ in range(DEPTH)]
+            workers = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+            finished = asyncio.create_task(complete.wait())
+            await asyncio.wait({workers, finished}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for task in (*tasks, finished):
+                task.cancel()
+            await asyncio.gather(workers, finished, return_exceptions=True)
+            for peer in list(plan.out):
+                if not plan.finished:
+                    drop(peer, "the download ran out of time")
+            for peer, count in plan.overtaken.items():
+                logger.warning("State donor %s was slow: %d of its chunk requests were answered first by other "
+                               "donors", peer, count)
+            logger.info("State chunks per donor: %s", ", ".join(f"{p} {n}" for p, n in plan.served.items()))
+            future.set_result(dict(done=sorted(plan.done), dropped=dict(plan.dropped), served=dict(plan.served)))
+        except Exception as e:  # noqa: BLE001 - a plain RuntimeError survives the trip to the host
+            future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))

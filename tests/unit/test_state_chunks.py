@@ -1,0 +1,225 @@
+"""The chunked state download's parts without a network: chunk map, manifest digests, the assignment policy
+driven by a fake swarm of donors, the on-disk partial download, and a resumed download through
+``download_state`` with an in-process stand-in for the averager's transfer calls."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2p_diloco.core.chunks import CHUNK_BYTES, ChunkMap, ChunkPlan
+from p2p_diloco.swarm.checksum import (
+    combine_state_sha,
+    manifest_sha,
+    params_sha256,
+    state_sha256,
+    tensor_manifest,
+)
+from p2p_diloco.swarm.chunk_transfer import read_chunk, state_chunk_map, write_chunk
+from p2p_diloco.swarm.partial import PartialStore
+from p2p_diloco.swarm.state import check_state_metadata, download_state, make_state_metadata
+
+FINGERPRINT = "abcdef0123456789"
+
+
+def _views(tensors: list[torch.Tensor]) -> list:
+    return [t.reshape(-1).view(torch.uint8).numpy() for t in tensors]
+
+
+def _state() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """1.2 MiB of parameters in three tensors (chunk 0 spans all three) and as much momentum: 4 chunks."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 5, generator=g), torch.randn(300_000, generator=g), torch.randn(7, generator=g)]
+    return params, [p * 0.5 for p in params]
+
+
+def test_chunk_map_covers_every_byte_once_and_regions_start_new_chunks() -> None:
+    chunks = ChunkMap([[5, 0, 7], [3, 9]], chunk_bytes=4)
+    assert chunks.region_chunks == [3, 3] and chunks.count == 6
+    assert chunks.spans(1) == [(0, 4, 5), (2, 0, 3)]  # across tensors, skipping the empty one
+    assert chunks.spans(3) == [(3, 0, 3), (4, 0, 1)]  # the momentum's first chunk starts at its tensor 0
+    assert [chunks.length(i) for i in range(6)] == [4, 4, 4, 4, 4, 4]
+    covered = sorted((t, b) for i in range(6) for t, a, stop in chunks.spans(i) for b in range(a, stop))
+    assert covered == sorted({(t, b) for t, n in enumerate([5, 0, 7, 3, 9]) for b in range(n)})
+
+
+def test_manifest_digest_is_computed_from_the_chunk_digests_and_the_layout() -> None:
+    params, momentum = _state()
+    manifest = tensor_manifest(params)
+    chunks = state_chunk_map(params + momentum, len(params))
+    assert manifest.count == chunks.region_chunks[0] == 2
+    views = _views(params + momentum)
+    for i in range(manifest.count):  # each chunk's digest is the sha256 of the bytes the donor sends for it
+        assert manifest.chunk(i) == hashlib.sha256(read_chunk(views, chunks, i)).digest()
+    layout = [(t.dtype, tuple(t.shape)) for t in params]
+    assert manifest_sha(layout, chunks.region_bytes[0], manifest.chunks) == manifest.sha == params_sha256(params)
+    # another layout of the same bytes, or one flipped bit, gives another digest
+    reshaped = [params[0].reshape(5, 3), *params[1:]]
+    assert params_sha256(reshaped) != manifest.sha
+    flipped = [t.clone() for t in params]
+    flipped[1].view(torch.int32)[123_456] ^= 1
+    assert params_sha256(flipped) != manifest.sha
+    assert combine_state_sha(manifest.sha, params_sha256(momentum)) == state_sha256(params, momentum)
+
+
+def test_a_manifest_whose_digests_do_not_give_the_claimed_digest_is_refused() -> None:
+    params, momentum = _state()
+    pm, mm = tensor_manifest(params), tensor_manifest(momentum)
+    sha = combine_state_sha(pm.sha, mm.sha)
+    layouts = ([(t.dtype, tuple(t.shape)) for t in params], [(t.dtype, tuple(t.shape)) for t in momentum])
+    chunks = state_chunk_map(params + momentum, len(params))
+    honest = make_state_metadata("run", FINGERPRINT, 3, sha, pm, mm, 3, 3)
+    assert isinstance(check_state_metadata(MSGPackSerializer.dumps(honest), "run", FINGERPRINT, layouts, chunks), dict)
+    forged = dict(honest, pc=bytes(32) + honest["pc"][32:])  # one chunk digest swapped, same claimed digest
+    problem = check_state_metadata(MSGPackSerializer.dumps(forged), "run", FINGERPRINT, layouts, chunks)
+    assert isinstance(problem, str) and "manifest hashes to" in problem
+    short = dict(honest, mc=honest["mc"][:32])
+    assert "chunk digests" in check_state_metadata(MSGPackSerializer.dumps(short), "run", FINGERPRINT, layouts, chunks)
+
+
+def _simulate(plan: ChunkPlan, donors: dict[str, dict[str, Any]]) -> tuple[dict[int, str], float]:
+    """A fake swarm: each donor answers a request after ``time`` s (two at once), ``dies_at`` stops it
+    answering (its requests fail), ``corrupt`` makes every chunk it sends fail its hash. Returns who
+    delivered each chunk first and when the download ended."""
+    now = [0.0]
+    plan._clock = lambda: now[0]  # noqa: SLF001 - the fake clock of this simulation
+    events: list[tuple[float, int, str, int]] = []
+    seq = 0
+
+    def request(donor: str) -> None:
+        nonlocal seq
+        while (chunk := plan.next(donor)) is not None:
+            spec = donors[donor]
+            at = now[0] + spec["time"]
+            heapq.heappush(events, (min(at, spec.get("dies_at", at)), seq, donor, chunk))
+            seq += 1
+
+    for donor in donors:
+        request(donor)
+    writers: dict[int, str] = {}
+    for _ in range(10_000):
+        if plan.finished or not events:
+            break
+        now[0], _, donor, chunk = heapq.heappop(events)
+        spec = donors[donor]
+        if donor not in plan.out:
+            continue  # dropped meanwhile: its answer is ignored
+        if now[0] >= spec.get("dies_at", float("inf")):
+            plan.failed(donor, f"chunk {chunk}: connection reset")
+        elif spec.get("corrupt"):
+            plan.failed(donor, f"chunk {chunk} failed its hash")
+        elif plan.received(donor, chunk):
+            writers[chunk] = donor
+        for other in list(plan.out):
+            request(other)
+    return writers, now[0]
+
+
+def test_plan_moves_chunks_of_dead_corrupt_and_slow_donors_to_the_others() -> None:
+    plan = ChunkPlan(40, ["fast", "slow", "dead", "corrupt"], have=[0, 1])
+    donors = {"fast": dict(time=1.0), "slow": dict(time=10.0), "dead": dict(time=1.0, dies_at=3.5),
+              "corrupt": dict(time=1.0, corrupt=True)}
+    writers, ended = _simulate(plan, donors)
+    assert plan.finished and set(writers) == set(range(2, 40))  # the two chunks on disk are not fetched
+    assert set(plan.dropped) == {"dead", "corrupt"}
+    assert "failed its hash" in plan.dropped["corrupt"] and "reset" in plan.dropped["dead"]
+    assert not any(w in ("corrupt",) for w in writers.values())
+    assert plan.served["fast"] > 4 * plan.served["slow"]  # pull-based: the slow donor just fetches fewer
+    # the end: the slow donor's last requests were copied to the fast one, so the download did not wait
+    # out the slow donor's 10 s per chunk after the fast one ran dry; the slow donor is named for it
+    assert ended < 40 / 2 + 10
+    assert plan.overtaken.get("slow", 0) >= 1 and "fast" not in plan.overtaken
+
+
+def test_a_plan_with_every_donor_gone_is_hopeless_and_keeps_what_it_has() -> None:
+    plan = ChunkPlan(10, ["a", "b"])
+    writers, _ = _simulate(plan, {"a": dict(time=1.0, dies_at=2.5), "b": dict(time=1.0, corrupt=True)})
+    assert plan.hopeless and not plan.finished and set(plan.done) == set(writers) and len(writers) == 4
+
+
+def test_partial_store_resumes_verified_chunks_and_deletes_stale_ones(tmp_path: Path) -> None:
+    params, momentum = _state()
+    tensors = params + momentum
+    chunks = state_chunk_map(tensors, len(params))
+    digests = tensor_manifest(params).chunks + tensor_manifest(momentum).chunks
+    views = _views(tensors)
+    stale = tmp_path / f"{'b' * 64}.part"
+    stale.write_bytes(b"old")
+    store = PartialStore(tmp_path, "a" * 64, chunks)
+    store.prepare()
+    assert not stale.exists()
+    for i in (0, 3):
+        store.write(i, read_chunk(views, chunks, i))
+    store.write(2, b"\x00" * chunks.length(2))  # a torn write: listed as done, but it fails its hash
+    dest = [torch.zeros_like(t) for t in tensors]
+    have = PartialStore(tmp_path, "a" * 64, chunks).load(digests, lambda i, d: write_chunk(_views(dest), chunks, i, d))
+    assert have == {0, 3}
+    for i in (0, 3):
+        assert read_chunk(_views(dest), chunks, i) == read_chunk(views, chunks, i)
+    assert read_chunk(_views(dest), chunks, 1) == bytes(chunks.length(1))  # never written: not loaded
+
+
+class _FakeAverager:
+    """Stands in for ``RoundAverager``'s transfer calls (``fetch_manifests``, ``fetch_chunks``) with one
+    honest donor in this process; ``cut_after`` ends the first download after that many chunks (a restart)."""
+
+    def __init__(self, params: list[torch.Tensor], momentum: list[torch.Tensor], cut_after: int | None) -> None:
+        from p2p_diloco.swarm.config import SwarmConfig
+
+        self.cfg = SwarmConfig.for_loopback(run_id="run")
+        self.fingerprint, self.dht = FINGERPRINT, None
+        self.tensors, self.n_params, self.cut_after = params + momentum, len(params), cut_after
+        pm, mm = tensor_manifest(params), tensor_manifest(momentum)
+        self.meta = make_state_metadata("run", FINGERPRINT, 3, combine_state_sha(pm.sha, mm.sha), pm, mm,
+                                        len(params), len(momentum))
+        self.fetched: list[list[int]] = []
+
+    def state_donors(self) -> list[tuple[str, float]]:
+        return [("donor", 3.0)]
+
+    def fetch_manifests(self, peers: list[str], **_: Any) -> dict[str, bytes]:
+        return {p: MSGPackSerializer.dumps(self.meta) for p in peers}
+
+    def fetch_chunks(self, peers: list[str], sha: str, dest: list[torch.Tensor], n_params: int, digests: bytes,
+                     have: set[int], partial: Path | None, timeout: float) -> dict[str, Any]:
+        chunks = state_chunk_map(dest, n_params)
+        store = PartialStore(partial, sha, chunks) if partial else None
+        done, fetched = set(have), []
+        for i in range(chunks.count):
+            if i in done:
+                continue
+            if self.cut_after is not None and len(fetched) == self.cut_after:
+                break
+            data = read_chunk(_views(self.tensors), chunks, i)
+            write_chunk(_views(dest), chunks, i, data)
+            if store:
+                store.write(i, data)
+            done.add(i)
+            fetched.append(i)
+        self.fetched.append(fetched)
+        self.cut_after = None
+        return dict(done=sorted(done), dropped={} if len(done) == chunks.count else {"donor": "cut off"})
+
+
+def test_a_download_cut_short_resumes_from_disk_and_fetches_only_the_rest(tmp_path: Path,
+                                                                          monkeypatch: Any) -> None:
+    import p2p_diloco.swarm.state as state_module
+
+    monkeypatch.setattr(state_module, "fetch_checksums", lambda *_: {})
+    params, momentum = _state()
+    averager = _FakeAverager(params, momentum, cut_after=3)
+    templates = ([torch.zeros_like(t) for t in params], [torch.zeros_like(t) for t in momentum])
+    first = download_state(averager, *templates, min_epoch=0, partial_dir=tmp_path)  # type: ignore[arg-type]
+    assert first is None and averager.fetched == [[0, 1, 2]]
+    assert len(list(tmp_path.glob("*.part"))) == 1  # kept for the next try
+    state = download_state(averager, *templates, min_epoch=0, partial_dir=tmp_path)  # type: ignore[arg-type]
+    assert state is not None and averager.fetched[1] == [3]  # only the chunk the first try missed
+    assert state_sha256(state.params, state.opt_tensors) == state.state_sha256 == averager.meta["sha"]
+    assert state.params_manifest is not None and state.params_manifest.sha == params_sha256(params)
+    assert not list(tmp_path.iterdir())  # done: the partial is gone
+    assert CHUNK_BYTES == 1 << 20
