@@ -9,60 +9,45 @@ partial average is never returned as the full one.
 
 ``RoundAverager`` subclasses hivemind's ``DecentralizedAverager`` rather than wrapping it because the pieces it
 changes are hooks of that class that run inside its background process: the per-round step (``_step``) and
-the aggregation of a formed group (``_aggregate_with_group``). The group registry and shutdown come from
+the aggregation of a formed group (``_aggregate_with_group``), both in ``round_process.RoundProcessMixin``. The group registry and shutdown come from
 ``registry.GroupRegistryMixin``, matchmaking timing from ``patience``, access checks from
 ``access.AccessControlMixin`` and state serving from ``state.StateSharingMixin``; the rest is hivemind's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import enter_asynchronously
 
-from p2p_diloco.core.bounds import l2_norm, output_bound
+from p2p_diloco.core.bounds import l2_norm
 from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin
-from p2p_diloco.swarm.claims import open_gathered, sign_gather, signing_key
-from p2p_diloco.swarm.completion import confirm_complete
+from p2p_diloco.swarm.claims import sign_gather, signing_key
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
-    DEFAULT_MAX_ROUND_WEIGHT,
     FINGERPRINT_PATTERN,
-    GroupPlan,
     MemberInfo,
-    balancing_bandwidths,
     encode_gather,
-    plan_group,
 )
 from p2p_diloco.swarm.patience import JoinTiming
-from p2p_diloco.swarm.quorum import EarlyAssembly, Formed
+from p2p_diloco.swarm.quorum import EarlyAssembly
 from p2p_diloco.swarm.registry import GroupRegistryMixin
+from p2p_diloco.swarm.round_process import RoundProcessMixin
 from p2p_diloco.swarm.runner import (
-    ByteCounter,
-    CountingAllReduceRunner,
     FaultHook,
-    RunnerFactory,
     no_faults,
-    run_allreduce,
 )
 from p2p_diloco.swarm.state import StateSharingMixin
 
@@ -70,34 +55,8 @@ logger = logging.getLogger(__name__)
 _HOST_GRACE_S = 10.0
 
 
-def _corrupt(tensors: Sequence[torch.Tensor], factor: object) -> None:
-    """Test-only sabotage of our own input (``byzantine`` faults): multiply it by ``factor`` (NaN fills)."""
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        return
-    with torch.no_grad():
-        for tensor in tensors:
-            if math.isnan(factor):
-                tensor.fill_(float("nan"))
-            else:
-                tensor.mul_(factor)
-
-
-def _hook_assembly(matchmaking: Any, hook: FaultHook) -> None:
-    """Call ``hook("assemble")`` each time this peer, as a leader, is about to form its group."""
-    if getattr(matchmaking, "_assembly_hooked", False):
-        return
-    assemble = matchmaking.leader_assemble_group
-
-    async def hooked() -> GroupInfo:
-        hook("assemble")
-        return await assemble()
-
-    matchmaking.leader_assemble_group = hooked
-    matchmaking._assembly_hooked = True
-
-
-class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, ChunkTransferMixin,
-                    DecentralizedAverager):
+class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, StateSharingMixin,
+                    ChunkTransferMixin, DecentralizedAverager):
     """Averages pseudo-gradients shaped like ``template`` with the peers of one run and model.
 
     :param template: tensors with the shapes and floating dtypes of the pseudo-gradients (values unused).
@@ -363,198 +322,3 @@ class RoundAverager(AccessControlMixin, GroupRegistryMixin, StateSharingMixin, C
             # every member validates its own input, so this means a member sent NaN or inf on purpose
             result.skip("the aggregate holds NaN or infinite values")
         return result
-
-    # ------------------------------------------------------ averager process side
-
-    async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = (),
-                    allreduce_timeout: float | None = None, stale: list[torch.Tensor] | None = None) -> None:
-        """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
-
-        hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
-        scaled, and the caller prefers a prompt "skipped" to a late round anyway. Beside the search runs
-        ``quorum.EarlyAssembly``: a leader forms its group as soon as every peer in ``due`` joined.
-        """
-        began = time.monotonic()
-        self._guard_leaders()
-        self._join_timing.install(self._matchmaking)
-        if self._fault_hook is not no_faults:
-            _hook_assembly(self._matchmaking, self._fault_hook)
-        try:
-            trigger, cancel = MPFuture(), MPFuture()
-            step.attach(trigger, cancel)
-            future_for_init.set_result((trigger, cancel))
-            self._pending_groups_registered.clear()
-            step.stage = AveragingStage.LOOKING_FOR_GROUP
-            formed = Formed()
-            matchmaking = asyncio.create_task(self._matchmaking.look_for_group(step))
-            early = asyncio.create_task(self._early.watch(self._matchmaking, self.peer_id.to_base58(), due, formed))
-            cancelled = asyncio.create_task(step.wait_for_cancel())
-            try:
-                await asyncio.wait({matchmaking, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                early.cancel()
-            if step.cancelled():
-                matchmaking.cancel()
-                return
-            cancelled.cancel()
-            group_info = await matchmaking
-            waited = time.monotonic() - began
-            if group_info is None:
-                others = tuple(sorted(set(due) - {self.peer_id.to_base58()}))
-                step.set_result(RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s",
-                                            wait_seconds=waited, due_members=formed.due,
-                                            cut_members=max(0, formed.due - 1),
-                                            cut_peers=others if formed.due else ()))
-                return
-            members = {peer.to_base58() for peer in group_info.peer_ids}
-            await step.wait_for_trigger()
-            with self._register_allreduce_group(group_info):
-                step.stage = AveragingStage.RUNNING_ALLREDUCE
-                # filled as the round goes, so that a round cut off by the timeout still names its group
-                result = RoundResult(Outcome.SKIPPED, "round interrupted")
-                try:
-                    await asyncio.wait_for(
-                        self._aggregate_with_group(group_info, result, stale=stale, **self.allreduce_kwargs),
-                        allreduce_timeout or self._allreduce_timeout,
-                    )
-                except asyncio.TimeoutError:
-                    stuck = "; ".join(runner.progress() for runner in self._runners_of(group_info))
-                    logger.warning("All-reduce of round %s timed out: %s", group_info.group_id.hex()[:8], stuck)
-                    result.skip(f"all-reduce did not finish within its deadline "
-                                f"({allreduce_timeout or self._allreduce_timeout:.1f} s)")
-                    result.timed_out = True
-            result.wait_seconds = waited
-            result.due_members, result.formed_early = formed.due, formed.early
-            if formed.due:
-                result.cut_peers = tuple(sorted((set(due) | {self.peer_id.to_base58()}) - members))
-                result.cut_members = len(result.cut_peers)
-            step.set_result(result)
-        except Exception as e:
-            logger.warning("Averaging round failed: %r", e)
-            if not step.done():
-                step.set_result(RoundResult(Outcome.SKIPPED, f"{type(e).__name__}: {e}",
-                                            wait_seconds=time.monotonic() - began))
-        finally:
-            step.stage = AveragingStage.FINISHED
-            self._pending_groups_registered.set()
-            if not step.done():
-                step.set_result(RoundResult(Outcome.SKIPPED, "round interrupted"))
-
-    async def _aggregate_with_group(
-        self, group_info: GroupInfo, result: RoundResult, min_vector_size: int,
-        stale: list[torch.Tensor] | None = None, **kwargs: Any
-    ) -> RoundResult:
-        """The round in a formed group; ``result`` is filled as it goes, so a round cut off by the caller's
-        timeout still names its group. It ends ``AVERAGED`` only when every member confirmed.
-
-        ``stale`` is the host's late work for this round (shared memory), or None: a member without late work
-        still takes part in a fresh+stale round, with zeros it allocates here for this round only. The
-        averaged stale region goes back to the host inside the result (``stale_term``)."""
-        began = time.monotonic()
-        plan = plan_group(
-            group_info.peer_ids,
-            open_gathered(group_info.peer_ids, group_info.gathered),  # each member's own signed claim
-            self.peer_id,
-            min_group_size=self.cfg.min_group_size,
-            max_weight=self.cfg.max_round_weight or DEFAULT_MAX_ROUND_WEIGHT,
-            weight_ratio=self.cfg.weight_outlier_ratio,
-            allowed=self._allowed,
-        )
-        rejected = dict(plan.rejected)
-        result.contributors = tuple(p.to_base58() for p in plan.peer_ids)
-        result.weights, result.stale_weights = (tuple(m.weight for m in plan.members),
-                                                tuple(m.stale_weight for m in plan.members))
-        result.stalenesses = tuple(m.staleness for m in plan.members)
-        result.refused = tuple(f"{peer}: {reason}" for peer, reason in plan.refused)
-        result.with_stale = plan.with_stale
-        result.rejected = tuple(self._ban(rejected))
-        if plan.skip_reason is not None:
-            return result.skip(plan.skip_reason)
-        counter = ByteCounter()
-        size = sum(math.prod(shape) for shape, _ in self._layout) * (2 if plan.with_stale else 1)
-        bandwidths = [
-            bw if mode != AveragingMode.CLIENT else 0.0
-            for bw, mode in zip(plan.bandwidths, plan.modes, strict=True)
-        ]
-        fractions = await asyncio.get_running_loop().run_in_executor(
-            None, load_balance_peers, size, balancing_bandwidths(bandwidths, private=self._allowed is not None), min_vector_size
-        )
-        fresh_scale, stale_scale = plan.local_scales(self.peer_id)
-        async with enter_asynchronously(self.get_tensors()) as buffers:
-            tensors = list(buffers[: self.num_tensors])
-            if plan.with_stale:
-                if stale is None or len(stale) != self.num_tensors:
-                    stale = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
-                tensors += stale
-            with torch.no_grad():
-                for i, tensor in enumerate(tensors):
-                    scale = fresh_scale if i < self.num_tensors else stale_scale
-                    if scale == 0.0:
-                        tensor.zero_()  # not mul_(0): leftovers of a failed round could hold inf
-                    else:
-                        tensor.mul_(scale)
-            self._fault_hook("allreduce_begin")
-            _corrupt(tensors, self._fault_hook("corrupt_input"))
-            make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
-            tolerance = self._tolerance
-            limits = None if tolerance is None else plan.sender_limits(self.cfg.norm_outlier_factor, tolerance)
-            robust = dict(
-                sender_weights=plan.fresh_weights(),
-                limits=limits,
-                claimed_weights=[(m.weight if m.has_fresh else 0.0) + (m.stale_weight if m.has_stale else 0.0)
-                                 for m in plan.members],
-                method=self.cfg.aggregation,
-                norm_factor=self.cfg.norm_outlier_factor,
-                banned=frozenset(self._banned),
-            )
-            bounds = None if limits is None or tolerance is None else tuple(
-                output_bound([limit[region] for limit in limits], plan.fresh_weights(), tolerance)
-                for region in (0, 1)
-            )
-            runner = make_runner(
-                tensors, b"", fault_hook=self._fault_hook, robust=robust, bounds=bounds,
-                fresh_tensors=self.num_tensors,
-            )
-            faults = await run_allreduce(runner, tensors)
-            rejected.update(runner.rejected())
-            result.rejected = tuple(self._ban(rejected))
-            if self._fault_hook("confirm") is False:
-                faults.append("completion denied by the fault hook")
-            check = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id, runner)
-            result.rejected = tuple(self._ban(rejected | check.equivocators))
-        result.allreduce_seconds = time.monotonic() - began
-        result.bytes_sent, result.bytes_received = counter.sent, counter.received
-        if faults:
-            return result.skip("partial all-reduce: " + "; ".join(faults))
-        if not check.confirmed:
-            return result.skip(check.detail)
-        result.outcome, result.reason = Outcome.AVERAGED, ""
-        if plan.with_stale:
-            result.stale_term = list(stale)
-        return result
-
-    def _runner_factory(
-        self, plan: GroupPlan, fractions: Sequence[float], group_id: bytes, counter: ByteCounter, kwargs: dict
-    ) -> RunnerFactory:
-        def make(tensors: Sequence[torch.Tensor], suffix: bytes, **overrides: Any) -> CountingAllReduceRunner:
-            options: dict[str, Any] = dict(
-                p2p=self._p2p,
-                servicer_type=type(self),
-                prefix=self.prefix,
-                tensors=tensors,
-                group_id=group_id + suffix,
-                ordered_peer_ids=plan.peer_ids,
-                peer_fractions=tuple(fractions),
-                weight=1.0,
-                counter=counter,
-                compression=kwargs["compression"],
-                part_size_bytes=kwargs["part_size_bytes"],
-                sender_timeout=kwargs["sender_timeout"],
-                reducer_timeout=kwargs["reducer_timeout"],
-            )
-            options.update(overrides)
-            runner = CountingAllReduceRunner(**options)
-            self._running_groups[group_id + suffix].set_result(runner)
-            return runner
-
-        return make
