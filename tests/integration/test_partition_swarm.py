@@ -43,7 +43,10 @@ def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_pat
     # The others keep averaging while peer 3 is cut off: since groups form as soon as every due peer joined,
     # a round takes about a second and they run some 30 rounds in the 40 s cut (about 10 when every round
     # waited out its window). Its work must still be young enough to fold, so the bound is the largest allowed.
-    args = [*_fast_without_host(), "--run-id", "part", "--max-rounds", "200", "--max-staleness", "1000"]
+    # --max-round-weight: a claim is capped at 4 x batch x H by default, and the partition's work (every
+    # skipped round's) outweighs that when peer 3 skips more than 4 rounds; this test counts every sample.
+    args = [*_fast_without_host(), "--run-id", "part", "--max-rounds", "200", "--max-staleness", "1000",
+            "--max-round-weight", "100000"]
     with Testbed(4, 1000.0, prefix=f"pdp{os.getpid()}") as bed:
         procs = start_swarm(bed, tmp_path, 3, args)
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "peer3", "round")), 240,
