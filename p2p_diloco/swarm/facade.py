@@ -62,6 +62,8 @@ class Swarm:
         self.partial_dir: Path | None = None
         """Where a state download keeps its verified chunks so a restart resumes it (``swarm.partial``);
         the peer sets it under its checkpoint directory. ``None``: nothing is kept."""
+        self._warned_epoch = -(10**9)
+        """Round of the last "more peers than one group holds" warning."""
         self._seen: list[PeerProgress] = []
         """The progress records :meth:`records` read last: who is due in the next round."""
 
@@ -208,5 +210,20 @@ class Swarm:
         """One round; the group forms as soon as every peer due in it has joined. Who is due comes from the
         records the round policy's observation just read (:meth:`records`), see ``swarm.quorum``.
         ``copy_out=False``: the fresh mean is a view of the shared buffer (see ``RoundAverager.average``)."""
+        due = due_peers(self._seen, epoch)
+        self._warn_above_target(len(due), epoch)
         return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight,
-                                     due=due_peers(self._seen, epoch), copy_out=copy_out)
+                                     due=due, copy_out=copy_out)
+
+    def _warn_above_target(self, due: int, epoch: int) -> None:
+        """Say so when more peers are due than one group holds (once per 50 rounds): the swarm then splits into
+        groups whose averages differ, and each round the minority groups download the state (measured in
+        BENCHMARKS.md "Swarm scale with churn"). Counted from signed records, so Sybils can raise it: it is a
+        warning to the operator, never an input to a decision."""
+        if due <= self.cfg.target_group_size or epoch < self._warned_epoch + 50:
+            return
+        self._warned_epoch = epoch
+        logger.warning("%d peers are due in round %d, more than --target-group-size %d: rounds split into several "
+                       "groups whose averages differ, and the minority downloads the state every round. Raise "
+                       "--target-group-size on every peer to at least %d", due, epoch,
+                       self.cfg.target_group_size, due)

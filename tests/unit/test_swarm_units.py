@@ -292,3 +292,17 @@ def test_leaders_see_the_followers_own_expiration_and_turn_away_requests_they_an
         late = check(view, None)
         assert late.code == averaging_pb2.BAD_EXPIRATION_TIME and seen == [98.0]
     assert not timing._arrivals
+
+
+def test_more_due_peers_than_one_group_holds_is_told_to_the_operator_once_per_50_rounds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from p2p_diloco.swarm.facade import Swarm
+
+    swarm = Swarm(dataclasses.replace(SwarmConfig.for_loopback(), target_group_size=8), "ab" * 8, [torch.zeros(2)])
+    with caplog.at_level("WARNING", logger="p2p_diloco.swarm.facade"):
+        swarm._warn_above_target(8, 1)  # one group holds them all
+        assert not caplog.records
+        for epoch in range(2, 60):
+            swarm._warn_above_target(12, epoch)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and "--target-group-size on every peer to at least 12" in warnings[0], warnings
