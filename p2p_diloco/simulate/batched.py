@@ -45,10 +45,14 @@ class BatchedInnerTrainer:
         models: the workers' models (same architecture); their parameters become views of the stack.
         streams: each worker's token stream, in the same order.
         cfg: the inner settings every worker shares (lr schedule, clip, batch and micro-batch).
+        compile: run the vmapped forward and backward through ``torch.compile`` (inductor; needs a C++
+            compiler on a CPU). Same arithmetic, fused elementwise kernels; the first step pays the
+            compilation (about 15-45 s for the tiny preset on this CPU, less with a warm inductor cache).
     """
 
     def __init__(
-        self, models: Sequence[PreTrainedModel], streams: Sequence[PeerTokenStream], cfg: InnerConfig
+        self, models: Sequence[PreTrainedModel], streams: Sequence[PeerTokenStream], cfg: InnerConfig,
+        *, compile: bool = False,
     ) -> None:
         if len(models) != len(streams) or not models:
             raise ValueError(f"need one stream per model, got {len(models)} models and {len(streams)} streams")
@@ -72,10 +76,15 @@ class BatchedInnerTrainer:
         self.template.train()
         self.amp_dtype = autocast_dtype(device, cfg.precision)
         ndims = [named[0][n].ndim for n in self.names]
+        # The fused AdamW kernel (CPU and CUDA) updates the ~20 stacked tensors in one pass each: on the
+        # tiny preset's k = 4 stack it takes a quarter of the per-tensor loop's time on this CPU.
         self.optimizer = make_adamw([(n, self.stacked[n]) for n in self.names], cfg, ndims=ndims,
-                                    fused=device.type == "cuda")
+                                    fused=device.type in ("cuda", "cpu"))
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step_count = 0
+        self._batched_loss = vmap(self._loss)
+        if compile:
+            self._batched_loss = torch.compile(self._batched_loss)
 
     def _loss(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         return functional_call(self.template, params, (), {"input_ids": ids, "labels": ids}).loss
@@ -97,13 +106,12 @@ class BatchedInnerTrainer:
         losses: list[list[float]] = [[] for _ in range(self.k)]
         samples = tokens = 0
         start = time.perf_counter()
-        batched_loss = vmap(self._loss)
         for _ in range(n):
             batch = torch.stack([s.next_batch() for s in self.streams]).to(self.device)
             step_loss = torch.zeros(self.k)
             for chunk in batch.split(micro, dim=1):
                 with autocast(self.device, self.amp_dtype):
-                    loss = batched_loss(self.stacked, chunk)
+                    loss = self._batched_loss(self.stacked, chunk)
                 (loss.sum() / accum).backward()
                 step_loss += loss.detach().float().cpu() / accum
             if not bool(torch.isfinite(step_loss).all()):
