@@ -21,6 +21,7 @@ import json
 import logging
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -71,8 +72,9 @@ def grids() -> list[Grid]:
     Sized to what the machine allowed (2 cores shared with other engineers' test runs at load averages of
     3-11; a 200-step k = 4 run took 70-280 s): the full lr x momentum grid with 3 seeds for diloco at
     H = 20; for eager and async-dn the lr slice at momentum 0 (their best family) with 3 seeds and their
-    momentum cells with seed 0; the lr slice at H = 5 and 50 with 3 seeds and momentum 0.6 with seed 0;
-    k = 2 (3 seeds) and k = 8 (2 seeds); the inner lr and warm-up against the outer lr with seed 0.
+    momentum cells with seed 0; the lr slice at H = 5 and 50 with 3 seeds, momentum at H = 5 (40 rounds)
+    with seed 0; k = 2 (3 seeds) and k = 8 (2 seeds); the inner lr and warm-up against the outer lr with
+    seed 0.
     """
     lr3 = [0.5, 1.0, 1.5]
     one = [0]
@@ -84,11 +86,11 @@ def grids() -> list[Grid]:
         Grid("diloco-k2-H20", "diloco", 20, [0.7, 1.0, 1.5], [0.0], k=2),
         Grid("diloco-H5", "diloco", 5, lr3, [0.0]),
         Grid("diloco-H50", "diloco", 50, lr3, [0.0]),
+        # Momentum at 40 rounds, at about the effective steps (lr / (1 - momentum)) 0.25-4 around H = 20's best.
+        Grid("diloco-H5-mom", "diloco", 5, [0.1, 0.4], [0.6, 0.9], seeds=one),
         Grid("diloco-k8-H20", "diloco", 20, [0.7, 1.0, 1.5], [0.0], k=8, seeds=[0, 1]),
         Grid("diloco-ilr5e-4-H20", "diloco", 20, [0.7, 1.0, 1.5], [0.0], inner_lr=5e-4, seeds=one),
         Grid("diloco-ilr2e-3-H20", "diloco", 20, [0.7, 1.0, 1.5], [0.0], inner_lr=2e-3, seeds=one),
-        Grid("diloco-H5-mom", "diloco", 5, lr3, [0.0, 0.6], seeds=one),
-        Grid("diloco-H50-mom", "diloco", 50, lr3, [0.0, 0.6], seeds=one),
         Grid("eager-H20-mom", "eager", 20, [0.7, 1.0], [0.0, 0.6, 0.9], seeds=one),
         Grid("async-dn-H20-mom", "async-dn", 20, [0.7, 1.0], [0.0, 0.6, 0.9], seeds=one),
         Grid("diloco-wu5-H20", "diloco", 20, [0.7, 1.0, 1.5], [0.0], warmup=5, seeds=one),
@@ -267,10 +269,11 @@ def report_lines(payload: dict) -> list[str]:
         f"over the seeds listed per grid. {payload['runs']} simulations, {payload['new_runs']} of them run by "
         f"this version of the sweep ({payload['new_runs_wall_s'] / 60:.0f} process-minutes, 2 processes x 1 "
         f"thread, 1-minute load average {payload['load_1min_range'][0]:.1f}-{payload['load_1min_range'][1]:.1f} "
-        "at their ends)" if payload["load_1min_range"] else "", "",
-        "Each row: one grid; columns: outer momentum; cells: outer lr → loss. Effective outer step = "
-        "lr / (1 - momentum).", "",
+        "at their ends)." if payload["load_1min_range"] else "", "",
     ]
+    lines += slice_lines(gs)
+    lines += ["", "Every grid: rows outer lr, columns outer momentum (effective outer step = lr / (1 - momentum)); "
+              "a cell with one seed says which.", ""]
     for name, g in gs.items():
         moms = sorted({p["outer_momentum"] for p in g["points"]})
         lrs = sorted({p["outer_lr"] for p in g["points"]})
@@ -296,6 +299,47 @@ def report_lines(payload: dict) -> list[str]:
         lines.append(f"| {name} | {b['outer_lr']:g}, {b['outer_momentum']:g} | {_fmt(_best(g))} | {sens} |")
     lines += ["", "![sweeps](benchmarks/results/convergence_sweep.png)"]
     return lines
+
+
+SLICE_LRS = [0.3, 0.5, 0.7, 1.0, 1.5]
+
+
+def _rel(p: dict, best: dict) -> str:
+    """``p``'s loss relative to ``best``'s over the seeds both have (seed 0 alone runs lower than the mean
+    of three here, so cells with different seeds are not compared); [number of seeds compared]."""
+    common = [s for s in p["seeds"] if s in best["seeds"]]
+    if not common:
+        return "?"
+    a = statistics.fmean(f for s, f in zip(p["seeds"], p["finals"], strict=True) if s in common)
+    b = statistics.fmean(f for s, f in zip(best["seeds"], best["finals"], strict=True) if s in common)
+    return f"{(a / b - 1) * 100:+.1f}% [{len(common)}]"
+
+
+def slice_lines(gs: dict[str, dict]) -> list[str]:
+    """How the best outer lr (momentum 0) moves with H, k, the mode and the inner settings: per setting,
+    each lr's loss relative to the best lr of that setting (the same cell from several grids counts with
+    its most seeds)."""
+    rows: dict[tuple, dict[float, dict]] = {}
+    for g in gs.values():
+        mode = g["points"][0]["mode"]
+        row = rows.setdefault((mode, g["workers"], g["local_steps"], g["rounds"], g["inner_lr"], g["warmup"]), {})
+        for p in g["points"]:
+            if p["outer_momentum"] == 0 and (p["outer_lr"] not in row
+                                             or len(p["finals"]) > len(row[p["outer_lr"]]["finals"])):
+                row[p["outer_lr"]] = p
+    out = ["**How the best outer lr moves** (momentum 0, outer SGD; lr 1 = FedAvg). Each lr's final loss "
+           "relative to the best lr of its row over the seeds both have [how many].", "",
+           "| mode | k | H | rounds | inner lr, warmup | best lr | best loss | "
+           + " | ".join(f"lr {lr:g}" for lr in SLICE_LRS) + " |",
+           "| --- " * (7 + len(SLICE_LRS)) + "|"]
+    for (mode, k, h, rounds, ilr, wu), cells in rows.items():
+        if len(cells) < 2:
+            continue
+        best = min(cells.values(), key=lambda p: p["mean"])
+        rel = [_rel(cells[lr], best) if lr in cells else "" for lr in SLICE_LRS]
+        out.append(f"| {mode} | {k} | {h} | {rounds} | {ilr:g}, {wu} | {best['outer_lr']:g} | {_fmt(best)} | "
+                   + " | ".join(rel) + " |")
+    return out
 
 
 def plot(payload: dict) -> None:

@@ -133,7 +133,13 @@ def candidates(compile_: bool) -> dict:
             t = time.process_time()
             train_round(v["workers"], STEPS)
             v["times"].append((time.process_time() - t) / (STEPS * K))
-    return {name: dict(step_s=min(v["times"]), all_s=v["times"], first_two_steps_s=v["warmup_s"])
+    # Same starting weights, data and number of steps in every variant: their eval losses must agree.
+    for v in variants.values():
+        w = v["workers"][0]
+        v["eval_loss"] = w.local.trainer.evaluate(w.local.eval_batches)
+    ref = variants["unbatched"]["eval_loss"]
+    return {name: dict(step_s=min(v["times"]), all_s=v["times"], first_two_steps_s=v["warmup_s"],
+                       eval_loss_after=v["eval_loss"], rel_diff_to_unbatched=abs(v["eval_loss"] / ref - 1))
             for name, v in variants.items()}
 
 
