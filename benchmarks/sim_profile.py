@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.report import replace_section  # noqa: E402
 from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, TrainConfig  # noqa: E402
 from p2p_diloco.simulate.engine import SimConfig, build_workers, train_round  # noqa: E402
 
@@ -138,15 +139,69 @@ def candidates(compile_: bool) -> dict:
         w = v["workers"][0]
         v["eval_loss"] = w.local.trainer.evaluate(w.local.eval_batches)
     ref = variants["unbatched"]["eval_loss"]
+    ref_params = variants["unbatched"]["workers"][0].params
+    for v in variants.values():
+        v["max_param_diff"] = max(float((p.detach() - q.detach()).abs().max())
+                                  for p, q in zip(v["workers"][0].params, ref_params, strict=True))
     return {name: dict(step_s=min(v["times"]), all_s=v["times"], first_two_steps_s=v["warmup_s"],
-                       eval_loss_after=v["eval_loss"], rel_diff_to_unbatched=abs(v["eval_loss"] / ref - 1))
+                       eval_loss_after=v["eval_loss"], rel_diff_to_unbatched=abs(v["eval_loss"] / ref - 1),
+                       max_abs_param_diff_to_unbatched=v["max_param_diff"])
             for name, v in variants.items()}
+
+
+def report(payload: dict) -> None:
+    """The ``simulator-profile`` section of BENCHMARKS.md and ``sim_profile.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, cand = payload["rows"], payload["candidates"]
+    un = cand["unbatched"]["step_s"]
+    lines = [
+        f"`benchmarks/sim_profile.py`: k = {K}, tiny preset, batch {BATCH} x {SEQ}, one torch thread on "
+        f"{payload['hardware']}, torch {payload['torch']}; 1-minute load average {payload['load_1min_at_end']:.1f} "
+        "at the end (the machine was shared), so every time is CPU seconds of the benchmark's process, fewest of "
+        "3 alternating repetitions of 5 steps per worker.", "",
+        "| path | CPU ms per simulated inner step | speed-up | max abs parameter difference to unbatched after "
+        "17 steps |", "| --- | --- | --- | --- |"]
+    for name, c in cand.items():
+        lines.append(f"| {name} | {c['step_s'] * 1e3:.1f} | {un / c['step_s']:.2f} | "
+                     f"{c['max_abs_param_diff_to_unbatched']:.1e} |")
+    lines.append(f"| floor: the step's matrix-product FLOPs at the core's peak | {payload['floor_s'] * 1e3:.1f} | "
+                 f"{un / payload['floor_s']:.2f} | - |")
+    lines += ["", "| profile (torch.profiler, self CPU time) | unbatched | batched |", "| --- | --- | --- |"]
+    u, b = rows
+    for label, key in (("matrix products (mm, bmm)", "mm_fraction"), ("optimizer step", "optimizer_fraction"),
+                       ("attention kernels, softmax", "attention_fraction")):
+        lines.append(f"| {label} | {u[key] * 100:.0f}% | {b[key] * 100:.0f}% |")
+    lines.append(f"| matrix-product GFLOP per simulated step | {u['mm_flops_per_sim_step'] / 1e9:.2f} | "
+                 f"{b['mm_flops_per_sim_step'] / 1e9:.2f} |")
+    peaks = ", ".join(f"{k} {v:.0f}" for k, v in payload["peak_gflops"].items())
+    lines += ["", f"Single-thread float32 matrix-product throughput on this core (GFLOP/s): {peaks}.", "",
+              "![simulator profile](benchmarks/results/sim_profile.png)"]
+    replace_section(ROOT / "BENCHMARKS.md", "simulator-profile", "\n".join(lines))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = list(cand) + ["FLOP floor"]
+    vals = [c["step_s"] * 1e3 for c in cand.values()] + [payload["floor_s"] * 1e3]
+    ax.barh(names, vals, color=["C0"] * len(cand) + ["C3"])
+    ax.axvline(un * 1e3 / 3, color="k", ls="--", label="3x target")
+    ax.set_xlabel("CPU ms per simulated inner step (k = 4, tiny, 4 x 64)")
+    ax.invert_yaxis()
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(ROOT / "benchmarks" / "results" / "sim_profile.png", dpi=100)
+    plt.close(fig)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidate")
+    parser.add_argument("--report", action="store_true", help="rewrite the section and plot from the JSON")
     args = parser.parse_args()
+    if args.report:
+        report(json.loads(OUT.read_text()))
+        return 0
     torch.set_num_threads(1)
     rows = [breakdown(False), breakdown(True)]
     peaks = peak_gflops()
@@ -158,6 +213,7 @@ def main() -> int:
                    peak_gflops=peaks, floor_s=floor_s, max_speedup=un["step_s"] / floor_s,
                    candidates=candidates(not args.no_compile), load_1min_at_end=os.getloadavg()[0])
     OUT.write_text(json.dumps(payload, indent=1))
+    report(payload)
     for r in rows:
         print(f"{'batched' if r['batched'] else 'unbatched'}: {r['step_s'] * 1e3:.1f} ms/sim step; matrix products "
               f"{r['mm_fraction'] * 100:.0f}% ({r['mm_gflops_achieved']:.0f} GFLOP/s), optimizer "

@@ -13,10 +13,14 @@ everything else the simulator does (pseudo-gradients, the outer step writing the
 evaluation) reads and writes the stack without knowing it is batched. The numbers agree with the
 unbatched path up to float rounding (attention runs through the eager kernel, which vmap can batch).
 
-When it pays off: the k steps become one call with k-times larger matrices. On a GPU, where a small
-model's step is bound by kernel launches, that divides the time per simulated step by up to k. On a CPU
-the tiny preset's step is bound by the matrix multiplications (about 60% of the time in ``aten::mm``),
-so the batched path is about as fast as k separate steps there; see BENCHMARKS.md.
+When it pays off: the k steps become one call with k-times larger matrices, and AdamW runs fused over
+about 20 stacked tensors instead of a Python loop over k x 20. On a GPU, where a small model's step is
+bound by kernel launches, that divides the time per simulated step by up to k (not measured: no GPU
+here). On a CPU the step is bound by the matrix products: on this machine (one thread, tiny preset, k = 4,
+batch 4 x 64) the batched step took 1.2-1.3x less CPU time than the unbatched one, 1.5x with
+``compile=True``, and no method that keeps the float32 arithmetic can reach 3x there, because the step's
+matrix-product FLOPs alone at the core's peak throughput take 1/2.7 of the unbatched step
+(``benchmarks/sim_profile.py``, BENCHMARKS.md "Simulator speed").
 """
 
 from __future__ import annotations
