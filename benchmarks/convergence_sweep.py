@@ -294,12 +294,24 @@ def report_lines(payload: dict) -> list[str]:
                 cells.append(_fmt(p) + star)
             lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["| grid | best (lr, momentum) | final eval loss | neighbours (relative loss) |",
+    lines += ["| grid | best (lr, momentum) | final eval loss | nearest grid neighbours (relative loss over the "
+              "seeds both have [how many]) |",
               "| --- | --- | --- | --- |"]
     for name, g in gs.items():
-        b = g["best"][g["points"][0]["mode"]]
-        sens = ", ".join(f"{k} {v * 100:+.1f}%" for k, v in b["sensitivity"].items()) or "-"
-        lines.append(f"| {name} | {b['outer_lr']:g}, {b['outer_momentum']:g} | {_fmt(_best(g))} | {sens} |")
+        if len(g["points"]) < 2:
+            continue
+        b = _best(g)
+        lrs = sorted({p["outer_lr"] for p in g["points"]})
+        moms = sorted({p["outer_momentum"] for p in g["points"]})
+        i, j = lrs.index(b["outer_lr"]), moms.index(b["outer_momentum"])
+        sens = []
+        for label, (a, c) in (("lr down", (i - 1, j)), ("lr up", (i + 1, j)), ("momentum down", (i, j - 1)),
+                              ("momentum up", (i, j + 1))):
+            p = _cell(g, lrs[a], moms[c]) if 0 <= a < len(lrs) and 0 <= c < len(moms) else None
+            if p is not None:
+                sens.append(f"{label} {_rel(p, b)}")
+        lines.append(f"| {name} | {b['outer_lr']:g}, {b['outer_momentum']:g} | {_fmt(b)} | "
+                     f"{', '.join(sens) or '-'} |")
     lines += ["", "![sweeps](benchmarks/results/convergence_sweep.png)"]
     return lines
 
@@ -352,7 +364,11 @@ def plot(payload: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gs = [(n, g) for n, g in payload["grids"].items() if len({p["outer_lr"] for p in g["points"]}) > 1]
+    grids = payload["grids"]
+    # A one-cell extension ("diloco-H20-lr1.5") is drawn in its grid's panel.
+    gs = [(n, dict(g, points=g["points"] + [p for m, e in grids.items() if m.startswith(n + "-lr")
+                                           for p in e["points"]]))
+          for n, g in grids.items() if len({p["outer_lr"] for p in g["points"]}) > 1]
     cols = 4
     rows = (len(gs) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
