@@ -191,8 +191,11 @@ class OuterConfig:
       (40 rounds), 20 and 50 (4 rounds). η = 1.5 cost 4.6%, 4.6% and 1.4%, η = 0.5 cost 5.0% at H = 5 and
       7.1% at H = 50: longer rounds tolerate, and slowly favour, a larger outer step; short rounds punish a
       step off 1 on both sides.
-    - With k (H = 20, μ = 0): the best η was 1 at k = 2 and 4 (η = 0.7 cost 1.8% and 1.3%); the DiLoCo
-      scaling-law study reports that the best outer lr grows with k at hundreds of rounds, so sweep at your k.
+    - With k (H = 20, μ = 0): the best η was 1 at k = 2, 4 and 8 (k = 8 one seed); η = 0.7 cost 1.4%, 1.3%
+      and 1.9%, η = 1.5 cost 4.3%, 4.6% and 4.9%. The DiLoCo scaling-law study reports that the best outer
+      lr depends on k at hundreds of rounds, so sweep at your k.
+    - With the inner lr (k = 4, H = 20, one seed): the best η falls as the inner lr rises, which lengthens
+      each pseudo-gradient: η = 1 at inner lr 5e-4 and 1e-3, 0.7 at 2e-3 (η = 1 there cost 1.5%).
     - Per overlap mode (k = 4, H = 20): ``eager`` was best at η = 0.7 (0.5 and 1 cost 1.7% and 1.6%): its
       others' term is a round old, so a slightly smaller step. The asynchronous Delayed Nesterov simulator
       mode was best at 1 (0.7 cost 1.9%, 1.5 cost 2.7%).
