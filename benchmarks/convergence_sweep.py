@@ -272,7 +272,8 @@ def report_lines(payload: dict) -> list[str]:
         f"over the seeds listed per grid. {payload['runs']} simulations, {payload['new_runs']} of them run by "
         f"this version of the sweep ({payload['new_runs_wall_s'] / 60:.0f} process-minutes, 2 processes x 1 "
         f"thread, 1-minute load average {payload['load_1min_range'][0]:.1f}-{payload['load_1min_range'][1]:.1f} "
-        "at their ends)." if payload["load_1min_range"] else "", "",
+        "at their ends), the others imported from the first sweep and the tables (same configuration, seed and "
+        "code path)." if payload["load_1min_range"] else "", "",
     ]
     lines += slice_lines(gs)
     lines += ["", "Every grid: rows outer lr, columns outer momentum (effective outer step = lr / (1 - momentum)); "
