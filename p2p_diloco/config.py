@@ -191,11 +191,12 @@ class OuterConfig:
       (40 rounds), 20 and 50 (4 rounds), 3 seeds each. η = 1.5 cost 7.1%, 4.6% and 2.0%, η = 0.5 cost 5.0%
       at H = 5 and 6.6% at H = 50: longer rounds tolerate a larger outer step and punish a smaller one more;
       short rounds punish a step off 1 on both sides.
-    - With k (H = 20, μ = 0): the best η was 1 at k = 2, 4 and 8 (k = 8 one seed); η = 0.7 cost 1.4%, 1.3%
-      and 1.9%, η = 1.5 cost 4.3%, 4.6% and 4.9%. The DiLoCo scaling-law study reports that the best outer
+    - With k (H = 20, μ = 0): the best η was 1 at k = 2, 4 and 8 (k = 8 two seeds); η = 0.7 cost 1.4%, 1.3%
+      and 2.0%, η = 1.5 cost 4.3%, 4.6% and 4.9%. The DiLoCo scaling-law study reports that the best outer
       lr depends on k at hundreds of rounds, so sweep at your k.
     - With the inner lr (k = 4, H = 20, one seed): the best η falls as the inner lr rises, which lengthens
-      each pseudo-gradient: η = 1 at inner lr 5e-4 and 1e-3, 0.7 at 2e-3 (η = 1 there cost 1.5%).
+      each pseudo-gradient: η = 1 at inner lr 5e-4 and 1e-3, 0.7 at 2e-3 (η = 1 there cost 1.5%). The
+      inner warm-up (5, 20 or 60 of 200 steps) did not move it.
     - Per overlap mode (k = 4, H = 20): ``eager`` was best at η = 0.7 (0.5 and 1 cost 1.7% and 1.6%): its
       others' term is a round old, so a slightly smaller step. The asynchronous Delayed Nesterov simulator
       mode was best at 1 (0.7 cost 1.9%, 1.5 cost 2.7%).
@@ -209,10 +210,10 @@ class OuterConfig:
     H about 500 and hundreds of rounds. With tens of rounds it did not pay in our sweeps (tiny preset, k = 4,
     H = 20, 10 rounds, 3 seeds): the best setting with momentum, lr 0.3 and μ = 0.6, ended 1.3% behind lr 1
     without, and equal to lr 0.7 without (the same effective step lr / (1 − μ), 0.75 against 0.7); μ = 0.9
-    cost 3-17% depending on lr; eager and asynchronous Delayed Nesterov lost 10% at μ = 0.6 (one seed), since
+    cost 3-15% depending on lr; eager and asynchronous Delayed Nesterov lost 10% at μ = 0.6 (one seed), since
     momentum compounds their stale terms. At H = 5 over 40 rounds (one seed), effective step 1 with μ = 0.6
     or 0.9 still ended 1.6% and 8.9% behind μ = 0. When you change μ, keep lr / (1 − μ) about the same, and keep
-    lr at most 1: at the same effective step, a large lr cost more than a large μ (lr 1.5, μ 0: +4.6%;
+    lr at most 1: at effective steps of 1.5-3 a large lr cost more than a large μ (lr 1.5, μ 0: +4.6%;
     lr 1, μ 0.6: +6.7%; lr 0.3, μ 0.9: +2.8%). Keep μ below 1."""
 
     min_local_steps: int = 5
