@@ -168,26 +168,38 @@ class OuterConfig:
     time (about 10x with overlap 'none', about 1x with 'eager'). The DiLoCo paper uses 500.
 
     H also decides which outer lr and momentum work. The paper's 0.7 / 0.9 were tuned at H = 500 (150M
-    model, k = 8). At small H consecutive rounds' pseudo-gradients point the same way (cosine 0.5-0.8 measured
-    at H = 20, k = 4) and momentum compounds them, so the outer step must be smaller: see ``lr``. Before a
-    run, ``python -m p2p_diloco.simulate sweep --local-steps H --workers k`` finds the outer settings for
-    your H and k on a small proxy model (they transfer across model sizes; see that command's help)."""
+    model, k = 8, hundreds of rounds). At small H consecutive rounds' pseudo-gradients point the same way
+    (cosine 0.5-0.8 measured at H = 20, k = 4) and momentum compounds them, so the outer step must be smaller:
+    see ``lr`` and ``momentum``. Count the rounds your run will have (inner steps per peer / H): in our
+    runs of 4-40 rounds (H = 5-50) momentum never paid and an outer lr of 1 was best; the paper's values were
+    found with hundreds of rounds. Before a run, ``python -m p2p_diloco.simulate sweep --local-steps H --workers k``
+    finds the outer settings for your H and k on a small proxy model (they transfer across model sizes; see
+    that command's help)."""
 
     lr: float = field(default=0.7, metadata={"flag": "outer-lr"})
     """Outer learning rate η. When consecutive rounds agree, the outer step moves the shared parameters by up
     to about η / (1 − μ) times the averaged pseudo-gradient (μ = ``momentum``): the *effective outer step*.
-    1 means "go to the peers' average" (η = 1, μ = 0 is FedAvg). How to choose:
+    1 means "go to the peers' average" (η = 1, μ = 0 is FedAvg). How to choose (measured on the tiny preset,
+    200 inner steps per worker, BENCHMARKS.md "Convergence" and its sweeps):
 
     - H about 500, hundreds of rounds (the paper's regime): η = 0.7 with μ = 0.9, the default.
-    - Small H (tens of steps) or few rounds: keep η / (1 − μ) near 1. Measured on the tiny preset, k = 4,
-      H = 20, 10 rounds (BENCHMARKS.md, "Convergence"): η = 1, μ = 0 was best; effective steps 0.7-0.75 cost
-      about 1.5%, 1.75-3 cost 2-6%, and the paper's 0.7 / 0.9 (effective 7) cost 10%. With 0.7 / 0.9 the outer
-      step moved the parameters 6-7x as far as the averaged pseudo-gradient by the last round, undoing the
-      inner lr's cosine decay: even a single worker ended 11% above plain training.
-    - How it moves with H (same model, k = 4, 200 steps per worker, momentum 0, one seed): the best η was 1
-      at H = 5, 20 and 50; η = 1.5 cost 4.6%, 3.5% and 1.4%, η = 0.5 cost 5.0% at H = 5 and 7.1% at H = 50.
-      Longer rounds tolerate, and slowly favour, a larger outer step. How it moves with k was not swept
-      here; the DiLoCo scaling-law study reports that it depends on k, so sweep at your k.
+    - Tens of rounds (small H, or a short run): μ = 0 and η = 1. At k = 4, H = 20, 10 rounds (3 seeds)
+      η = 1 was best; η = 0.7 cost 1.3%, 1.5 cost 4.6%, 0.3 cost 11%; the paper's 0.7 / 0.9 cost 9.8%.
+      With 0.7 / 0.9 the outer step moved the parameters 6-7x as far as the averaged pseudo-gradient by the
+      last round, undoing the inner lr's cosine decay: even a single worker ended 11% above plain training.
+    - With H (k = 4, μ = 0, same 200 steps, so fewer rounds at larger H): the best η stayed 1 at H = 5
+      (40 rounds), 20 and 50 (4 rounds), 3 seeds each. η = 1.5 cost 7.1%, 4.6% and 2.0%, η = 0.5 cost 5.0%
+      at H = 5 and 6.6% at H = 50: longer rounds tolerate a larger outer step and punish a smaller one more;
+      short rounds punish a step off 1 on both sides.
+    - With k (H = 20, μ = 0): the best η was 1 at k = 2, 4 and 8 (k = 8 two seeds); η = 0.7 cost 1.4%, 1.3%
+      and 2.0%, η = 1.5 cost 4.3%, 4.6% and 4.9%. The DiLoCo scaling-law study reports that the best outer
+      lr depends on k at hundreds of rounds, so sweep at your k.
+    - With the inner lr (k = 4, H = 20, one seed): the best η falls as the inner lr rises, which lengthens
+      each pseudo-gradient: η = 1 at inner lr 5e-4 and 1e-3, 0.7 at 2e-3 (η = 1 there cost 1.5%). The
+      inner warm-up (5, 20 or 60 of 200 steps) did not move it.
+    - Per overlap mode (k = 4, H = 20): ``eager`` was best at η = 0.7 (0.5 and 1 cost 1.7% and 1.6%): its
+      others' term is a round old, so a slightly smaller step. The asynchronous Delayed Nesterov simulator
+      mode was best at 1 (0.7 cost 1.9%, 1.5 cost 2.7%).
     - Check your own H and k with ``python -m p2p_diloco.simulate sweep``; lower η when a sweep's best sits
       at its largest momentum, raise it toward 1 when momentum is 0."""
 
@@ -195,8 +207,14 @@ class OuterConfig:
     """Outer Nesterov momentum μ; 0 turns the outer step into plain SGD (FedAvg with lr 1). Momentum re-applies
     each round's pseudo-gradient about 1/(1 − μ) times over the following rounds (10 at 0.9), so it pays off
     over many rounds and amplifies a direction that repeats round after round (small H). The paper's 0.9 suits
-    H about 500 and hundreds of rounds; at H = 20 over 10 rounds momentum did not help in our sweep, and at
-    μ = 0.9 the best lr was 0.3. When you change μ, keep lr / (1 − μ) about the same. Keep μ below 1."""
+    H about 500 and hundreds of rounds. With tens of rounds it did not pay in our sweeps (tiny preset, k = 4,
+    H = 20, 10 rounds, 3 seeds): the best setting with momentum, lr 0.3 and μ = 0.6, ended 1.3% behind lr 1
+    without, and equal to lr 0.7 without (the same effective step lr / (1 − μ), 0.75 against 0.7); μ = 0.9
+    cost 3-15% depending on lr; eager and asynchronous Delayed Nesterov lost 10% at μ = 0.6 (one seed), since
+    momentum compounds their stale terms. At H = 5 over 40 rounds (one seed), effective step 1 with μ = 0.6
+    or 0.9 still ended 1.6% and 8.9% behind μ = 0. When you change μ, keep lr / (1 − μ) about the same, and keep
+    lr at most 1: at effective steps of 1.5-3 a large lr cost more than a large μ (lr 1.5, μ 0: +4.6%;
+    lr 1, μ 0.6: +6.7%; lr 0.3, μ 0.9: +2.8%). Keep μ below 1."""
 
     min_local_steps: int = 5
     """Floor on a slow peer's DyLU step count, so that its contribution is worth the round trip."""

@@ -13,10 +13,14 @@ everything else the simulator does (pseudo-gradients, the outer step writing the
 evaluation) reads and writes the stack without knowing it is batched. The numbers agree with the
 unbatched path up to float rounding (attention runs through the eager kernel, which vmap can batch).
 
-When it pays off: the k steps become one call with k-times larger matrices. On a GPU, where a small
-model's step is bound by kernel launches, that divides the time per simulated step by up to k. On a CPU
-the tiny preset's step is bound by the matrix multiplications (about 60% of the time in ``aten::mm``),
-so the batched path is about as fast as k separate steps there; see BENCHMARKS.md.
+When it pays off: the k steps become one call with k-times larger matrices, and AdamW runs fused over
+about 20 stacked tensors instead of a Python loop over k x 20. On a GPU, where a small model's step is
+bound by kernel launches, that divides the time per simulated step by up to k (not measured: no GPU
+here). On a CPU the step is bound by the matrix products: on this machine (one thread, tiny preset, k = 4,
+batch 4 x 64) the batched step took 1.2-1.3x less CPU time than the unbatched one, 1.5x with
+``compile=True``, and no method that keeps the float32 arithmetic can reach 3x there, because the step's
+matrix-product FLOPs alone at the core's peak throughput take 1/2.7 of the unbatched step
+(``benchmarks/sim_profile.py``, BENCHMARKS.md "Simulator speed").
 """
 
 from __future__ import annotations
@@ -46,10 +50,14 @@ class BatchedInnerTrainer:
         models: the workers' models (same architecture); their parameters become views of the stack.
         streams: each worker's token stream, in the same order.
         cfg: the inner settings every worker shares (lr schedule, clip, batch and micro-batch).
+        compile: run the vmapped forward and backward through ``torch.compile`` (inductor; needs a C++
+            compiler on a CPU). Same arithmetic, fused elementwise kernels; the first step pays the
+            compilation (about 15-45 s for the tiny preset on this CPU, less with a warm inductor cache).
     """
 
     def __init__(
-        self, models: Sequence[PreTrainedModel], streams: Sequence[PeerTokenStream], cfg: InnerConfig
+        self, models: Sequence[PreTrainedModel], streams: Sequence[PeerTokenStream], cfg: InnerConfig,
+        *, compile: bool = False,
     ) -> None:
         if len(models) != len(streams) or not models:
             raise ValueError(f"need one stream per model, got {len(models)} models and {len(streams)} streams")
@@ -73,10 +81,15 @@ class BatchedInnerTrainer:
         self.template.train()
         self.amp_dtype = autocast_dtype(device, cfg.precision)
         ndims = [named[0][n].ndim for n in self.names]
+        # The fused AdamW kernel (CPU and CUDA) updates the ~20 stacked tensors in one pass each: on the
+        # tiny preset's k = 4 stack it takes a quarter of the per-tensor loop's time on this CPU.
         self.optimizer = make_adamw([(n, self.stacked[n]) for n in self.names], cfg, ndims=ndims,
-                                    fused=device.type == "cuda")
+                                    fused=device.type in ("cuda", "cpu"))
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.step_count = 0
+        self._batched_loss = vmap(self._loss)
+        if compile:
+            self._batched_loss = torch.compile(self._batched_loss)
 
     def _loss(self, params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         return functional_call(self.template, params, (), {"input_ids": ids, "labels": ids}).loss
@@ -98,13 +111,12 @@ class BatchedInnerTrainer:
         losses: list[list[float]] = [[] for _ in range(self.k)]
         samples = tokens = 0
         start = time.perf_counter()
-        batched_loss = vmap(self._loss)
         for _ in range(n):
             batch = torch.stack([s.next_batch() for s in self.streams]).to(self.device)
             step_loss = torch.zeros(self.k)
             for chunk in batch.split(micro, dim=1):
                 with autocast(self.device, self.amp_dtype):
-                    loss = batched_loss(self.stacked, chunk)
+                    loss = self._batched_loss(self.stacked, chunk)
                 (loss.sum() / accum).backward()
                 step_loss += loss.detach().float().cpu() / accum
             if not bool(torch.isfinite(step_loss).all()):

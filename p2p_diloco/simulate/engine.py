@@ -82,8 +82,9 @@ class SimConfig:
     batched: bool = False
     """Train the k workers of a synchronous round (diloco, fedavg, eager) as one stacked model through
     ``torch.func.vmap`` (:mod:`.batched`). Same numbers up to float rounding; faster where a step is bound
-    by kernel launches (small models on a GPU), about as fast on a CPU, where the matrix products dominate.
-    The other modes ignore it."""
+    by kernel launches (small models on a GPU); on a CPU, where the matrix products dominate, 1.2-1.5x less
+    CPU time per step at the tiny preset's small batches and none at 8 x 128 or on the mini preset
+    (BENCHMARKS.md, "Simulator speed"). The other modes ignore it."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
