@@ -83,14 +83,18 @@ def test_client_mode_peer_joins_downloads_and_averages_with_full_peers(tmp_path:
     assert first, events(tmp_path, "c", "round")
 
     # three rounds in which all three averaged together, ending with the very same parameters
-    rounds = {n: {r["new_epoch"]: r for r in events(tmp_path, n, "round") if r["outcome"] == "averaged"}
+    rounds = {n: {r["new_epoch"]: r for r in events(tmp_path, n, "round") if r["outcome"] in ("averaged", "folded_late")}
               for n in procs}
     together = [r for r in rounds["c"].values() if r["group_size"] == 3]
     assert len(together) >= 3, events(tmp_path, "c", "round")
     for r in together:
         assert set(r["contributors"]) == set(ids.values()), r
         for full in "ab":
-            assert rounds[full][r["new_epoch"]]["params_sha256"] == r["params_sha256"], (full, r["new_epoch"])
+            # a full peer stopped right after the group's all-reduce may not have logged that round
+            if r["new_epoch"] in rounds[full]:
+                assert rounds[full][r["new_epoch"]]["params_sha256"] == r["params_sha256"], (full, r["new_epoch"])
+    for full in "ab":
+        assert sum(r["new_epoch"] in rounds[full] for r in together) >= len(together) - 1, (full, together)
 
     # the full peers announce their state; the client, which nobody can dial, never does
     assert set(ids.values()) <= peers

@@ -24,7 +24,8 @@ from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SHAPES = [[8, 8], [64]]  # parts of 64 values: enough for the norm screen to ban on (core.robust)
+SHAPES = [[16, 16], [256]]  # 512 values: each of 5 reducers gets a part of 64 or more, enough for the norm
+# screen to ban on (core.robust.MIN_BANNING_VALUES)
 
 
 @pytest.fixture

@@ -49,8 +49,11 @@ def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_pat
             "--max-round-weight", "100000"]
     with Testbed(4, 1000.0, prefix=f"pdp{os.getpid()}") as bed:
         procs = start_swarm(bed, tmp_path, 3, args)
-        wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "peer3", "round")), 240,
-                 "peer3 at epoch 2")
+        # ... and the others have rounds too: a first peer that started alone steps to epoch 2 by itself, and
+        # the late ones join at epoch 2 by download, so peer 3 can be there before peer 2 ran a round
+        wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "peer3", "round"))
+                 and all(events(tmp_path, n, "round") for n in ("peer1", "peer2")), 240,
+                 "peer3 at epoch 2, and a round of each of the others")
         bed.set_link(3, up=False)
         cut = time.time()
         cut_epoch = {n: max(r["new_epoch"] for r in events(tmp_path, n, "round")) for n in ("peer1", "peer2")}
