@@ -141,6 +141,14 @@ def _wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 180.0) 
     raise TimeoutError("the bootstrap node printed no address")
 
 
+def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the peer's whole process group (started with ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _tree_memory(pids: list[int]) -> dict[str, int]:
     """Proportional set size of the peers' process trees, and unique set size by process role."""
     import psutil
@@ -180,8 +188,7 @@ def _memory_guard(procs: dict[str, subprocess.Popen]) -> None:
     available = psutil.virtual_memory().available
     if available < MIN_AVAILABLE_BYTES:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+            _signal_tree(proc, signal.SIGKILL)
         raise OutOfMemory(f"{available / 2**30:.1f} GiB available with {len(procs)} peers started")
 
 
@@ -225,8 +232,9 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
                 "--local-steps", str(local_steps), "--min-local-steps", str(max(1, local_steps // 4)),
                 "--synthetic-params", str(synthetic_params), "--step-seconds", str(step_seconds),
                 "--log-file", str(out / f"{tag}.jsonl")]
+        # its own session: a peer is killed as a whole tree (its DHT and averager processes and p2p daemons)
         procs[tag] = subprocess.Popen(args, stdout=open(out / f"{tag}.out", "w"), stderr=subprocess.STDOUT,
-                                      env=_env(), cwd=ROOT)
+                                      env=_env(), cwd=ROOT, start_new_session=True)
         joins.append(dict(peer=tag, time=time.time()))
 
     try:
@@ -254,7 +262,7 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
                 alive = [t for t, p in procs.items() if p.poll() is None and _events(out / f"{t}.jsonl", "round")]
                 if alive:
                     victim = rng.choice(alive)
-                    procs[victim].send_signal(signal.SIGKILL if kill_hard else signal.SIGTERM)
+                    _signal_tree(procs[victim], signal.SIGKILL if kill_hard else signal.SIGTERM)
                     left.append(dict(peer=victim, time=time.time(), how="SIGKILL" if kill_hard else "SIGTERM"))
                     kill_hard = not kill_hard
                     start(next_index, bootstrap)
@@ -265,13 +273,13 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
         logger.error("%s: %s", name, aborted)
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            _signal_tree(proc, signal.SIGTERM)
         for proc in procs.values():
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                pass
+            _signal_tree(proc, signal.SIGKILL)  # whatever of its tree is left (a killed peer's orphans too)
         boot.terminate()
         try:
             boot.wait(timeout=30)
