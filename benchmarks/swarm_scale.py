@@ -53,8 +53,9 @@ PEER_FLAGS = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "
 # ---------------------------------------------------------------------------------------------- one peer
 
 
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """SIGTERM/SIGINT; a BaseException, as run_peer's ``Stop``, so that no round API's ``except Exception``
+    swallows it."""
 
 
 def _raise_stop(*_: object) -> None:
