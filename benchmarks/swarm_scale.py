@@ -397,7 +397,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     axes[0].legend()
     axes[1].set_ylabel("peer-rounds")
     axes[1].legend()
-    fig.suptitle("32 averager-only peers with churn")
+    fig.suptitle("Averager-only peers with churn (group sizes include the start-up in waves)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
