@@ -53,8 +53,9 @@ PEER_FLAGS = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "
 # ---------------------------------------------------------------------------------------------- one peer
 
 
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """SIGTERM/SIGINT; a BaseException, as run_peer's ``Stop``, so that no round API's ``except Exception``
+    swallows it."""
 
 
 def _raise_stop(*_: object) -> None:
@@ -141,6 +142,14 @@ def _wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 180.0) 
     raise TimeoutError("the bootstrap node printed no address")
 
 
+def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the peer's whole process group (started with ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _tree_memory(pids: list[int]) -> dict[str, int]:
     """Proportional set size of the peers' process trees, and unique set size by process role."""
     import psutil
@@ -180,8 +189,7 @@ def _memory_guard(procs: dict[str, subprocess.Popen]) -> None:
     available = psutil.virtual_memory().available
     if available < MIN_AVAILABLE_BYTES:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+            _signal_tree(proc, signal.SIGKILL)
         raise OutOfMemory(f"{available / 2**30:.1f} GiB available with {len(procs)} peers started")
 
 
@@ -225,8 +233,9 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
                 "--local-steps", str(local_steps), "--min-local-steps", str(max(1, local_steps // 4)),
                 "--synthetic-params", str(synthetic_params), "--step-seconds", str(step_seconds),
                 "--log-file", str(out / f"{tag}.jsonl")]
+        # its own session: a peer is killed as a whole tree (its DHT and averager processes and p2p daemons)
         procs[tag] = subprocess.Popen(args, stdout=open(out / f"{tag}.out", "w"), stderr=subprocess.STDOUT,
-                                      env=_env(), cwd=ROOT)
+                                      env=_env(), cwd=ROOT, start_new_session=True)
         joins.append(dict(peer=tag, time=time.time()))
 
     try:
@@ -254,7 +263,7 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
                 alive = [t for t, p in procs.items() if p.poll() is None and _events(out / f"{t}.jsonl", "round")]
                 if alive:
                     victim = rng.choice(alive)
-                    procs[victim].send_signal(signal.SIGKILL if kill_hard else signal.SIGTERM)
+                    _signal_tree(procs[victim], signal.SIGKILL if kill_hard else signal.SIGTERM)
                     left.append(dict(peer=victim, time=time.time(), how="SIGKILL" if kill_hard else "SIGTERM"))
                     kill_hard = not kill_hard
                     start(next_index, bootstrap)
@@ -265,13 +274,13 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
         logger.error("%s: %s", name, aborted)
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            _signal_tree(proc, signal.SIGTERM)
         for proc in procs.values():
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                pass
+            _signal_tree(proc, signal.SIGKILL)  # whatever of its tree is left (a killed peer's orphans too)
         boot.terminate()
         try:
             boot.wait(timeout=30)
@@ -281,6 +290,26 @@ def run_scenario(name: str, peers: int, minutes: float, churn_every_s: float, ta
                         synthetic_params, left, joins, memory, started)
     summary["aborted"] = aborted
     return summary
+
+
+def _group_digest_checks(rounds: dict[str, list[dict]], starts: dict[str, list[dict]]) -> tuple[list[int], list[int]]:
+    """Epochs of groups whose members, having entered the round with the same parameters, left it with
+    different ones (something applied partially: a bug), and epochs of groups whose members entered it with
+    different parameters (a member from another group of the epoch before; the checksum vote resyncs it)."""
+    after: dict[tuple, set[str]] = defaultdict(set)
+    entered_states: dict[tuple, set[str]] = defaultdict(set)
+    for name, rows in rounds.items():
+        held = {s["epoch"]: s["params_sha256"] for s in starts.get(name, [])[-1:]}
+        for r in rows:
+            entered = held.get(r["epoch"])
+            if r["outcome"] in ("averaged", "folded_late") and entered is not None:
+                group = (r["epoch"], tuple(sorted(r["contributors"])))
+                after[(*group, entered)].add(r["params_sha256"])
+                entered_states[group].add(entered)
+            held = {r["new_epoch"]: r["params_sha256"]}
+    partial = sorted({k[0] for k, v in after.items() if len(v) > 1})
+    mixed = sorted({k[0] for k, v in entered_states.items() if len(v) > 1})
+    return partial, mixed
 
 
 def summarize(name: str, out: Path, peers: int, minutes: float, churn_every_s: float, target_group_size: int,
@@ -296,14 +325,7 @@ def summarize(name: str, out: Path, peers: int, minutes: float, churn_every_s: f
             if r["outcome"] in synced and r["outcome"] != "solo":
                 digests[r["new_epoch"]].add(r["params_sha256"])
     split_epochs = sorted(e for e, s in digests.items() if len(s) > 1)
-    # A group whose members hold different parameters afterwards applied something partially (a bug); two
-    # groups of one epoch with different averages are the multi-group case (the checksum vote then resyncs).
-    by_group: dict[tuple, set[str]] = defaultdict(set)
-    for rows in rounds.values():
-        for r in rows:
-            if r["outcome"] in ("averaged", "folded_late"):
-                by_group[(r["epoch"], tuple(sorted(r["contributors"])))].add(r["params_sha256"])
-    partial_groups = sorted(k[0] for k, v in by_group.items() if len(v) > 1)
+    partial_groups, mixed_groups = _group_digest_checks(rounds, starts)
     # groups of one epoch: the distinct groups (by contributors) that averaged it
     groups_by_epoch: dict[int, set[tuple[str, ...]]] = defaultdict(set)
     group_sizes = []
@@ -328,8 +350,8 @@ def summarize(name: str, out: Path, peers: int, minutes: float, churn_every_s: f
         groups_per_epoch=statistics.mean(len(g) for g in groups_by_epoch.values()) if groups_by_epoch else 0,
         epochs_with_several_groups=sum(len(g) > 1 for g in groups_by_epoch.values()),
         epochs=max_epoch, joins_downloaded=downloads, resyncs=resyncs,
-        epochs_with_differing_digests=split_epochs, groups_with_differing_digests=partial_groups,
-        applied_partially=bool(partial_groups),
+        epochs_with_differing_digests=split_epochs, groups_with_members_from_different_states=mixed_groups,
+        groups_with_differing_digests=partial_groups, applied_partially=bool(partial_groups),
         peak_pss_gb=max((m["pss"] for m in memory), default=0) / 1e9,
         # per peer, in MB, at the last sample: the whole tree's PSS and each role's private (unique) memory
         last_memory_per_peer_mb={k: v / max(1, memory[-1]["trees"]) / 1e6 for k, v in memory[-1].items()
@@ -375,7 +397,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     axes[0].legend()
     axes[1].set_ylabel("peer-rounds")
     axes[1].legend()
-    fig.suptitle("32 averager-only peers with churn")
+    fig.suptitle("Averager-only peers with churn (group sizes include the start-up in waves)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -393,7 +415,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-steps", type=int, default=40)
     parser.add_argument("--step-seconds", type=float, default=0.5)
     parser.add_argument("--synthetic-params", type=int, default=262_144)
+    parser.add_argument("--reanalyze", action="store_true",
+                        help="recompute the digest checks of the saved results from their logs, run nothing")
     args = parser.parse_args(argv)
+    if args.reanalyze:
+        path = RESULTS / "swarm_scale.json"
+        results = json.loads(path.read_text())
+        for res in results:
+            out = RESULTS / "swarm_scale" / res["name"]
+            rounds = {p.stem: _events(p, "round") for p in sorted(out.glob("p*.jsonl"))}
+            starts = {p.stem: _events(p, "start") for p in sorted(out.glob("p*.jsonl"))}
+            partial, mixed = _group_digest_checks(rounds, starts)
+            res.update(groups_with_differing_digests=partial, groups_with_members_from_different_states=mixed,
+                       applied_partially=bool(partial))
+        path.write_text(json.dumps(results, indent=1))
+        plot(results, RESULTS / "swarm_scale.png")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "swarm_scale.json"
