@@ -51,7 +51,7 @@ COVERAGE: list[tuple[str, str]] = [
     (r"bash scripts/setup\.sh", "scripts/test.sh"),
     (r"TORCH_INDEX_URL=\S+ bash scripts/setup\.sh", "scripts/test.sh"),
     (r"bash scripts/demo\.sh", "scripts/demo.sh"),
-    (r"bash scripts/test\.sh", "scripts/test.sh"),
+    (r"bash scripts/test\.sh( -n 2 --dist loadfile)?", "scripts/test.sh"),
     (r"\.venv/bin/python -c .*torch.*", "tests/integration/test_docs.py::test_torch_check_command_runs"),
     # the CLIs: parsed here; the doctor runs here on loopback and in tests/integration/test_doctor.py; training and
     # bootstrap nodes run in the multi-peer tests (same programs, loopback addresses).
