@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set everything up, then run the whole test suite. CI passes `-n 2 --dist loadfile` (two test files at a time:
-# about 10 minutes on 2 CPU cores; about 16 one file at a time).
+# Set everything up, then run the whole test suite (about 16 minutes on 2 CPU cores; `-n 2 --dist loadfile` runs
+# two files at a time in about 10, but some multi-process tests are then flaky on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
