@@ -156,6 +156,19 @@ class Evidence:
         """The largest believed epoch (:meth:`believed`), ``None`` when no claim is believed."""
         return max((c.epoch for c in self.believed(claims)), default=None)
 
+    def left_behind(self, claims: Sequence[Claim], epoch: int) -> bool:
+        """Every believed peer but this one is past ``epoch``: nobody is left to form the group of ``epoch``
+        with, so a peer still looking for it gives the round up instead of waiting out
+        ``matchmaking_timeout_s`` (it then resyncs and folds its work into a later round).
+
+        "Every" and not "some": when a round splits into several groups, the first group to finish publishes
+        ``epoch + 1`` while the others still assemble; they must not give up then. A peer one epoch behind
+        (downloading) keeps the round open too: it may still join. Only believed claims count, so Sybil
+        records cannot end an anchored peer's round, and one that is not anchored gives up only when the
+        only peers it sees are past it."""
+        others = [c for c in self.believed(claims) if c.peer_id != self.me]
+        return bool(others) and all(c.epoch > epoch for c in others)
+
     def trusted_or_none(self, visible: Iterable[str]) -> frozenset[str] | None:
         """What :func:`state_verdict` takes: the trusted set when anchored, else ``None``."""
         return self.trusted if self.anchored(visible) else None

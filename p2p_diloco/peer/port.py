@@ -156,9 +156,16 @@ class SwarmPort:
         weight, stale_weight = self._capped(weight), self._capped(stale_weight)
         # the fresh mean stays in the averager's buffer: the driver applies it before the next round
         with self._network():
-            result = self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight, copy_out=False)
+            result = self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight, copy_out=False,
+                                        left_behind=lambda: self._left_behind(epoch))
         self.saw(result)
         return result
+
+    def _left_behind(self, epoch: int) -> bool:
+        """Read the records again: has every peer this one believes moved past ``epoch`` (``Evidence.left_behind``)?
+        A peer that missed its group then stops waiting for one; the round policy resyncs it next."""
+        self.records()
+        return self.evidence.left_behind(self.claims, epoch)
 
     def _capped(self, weight: float) -> float:
         """Claim at most ``max_round_weight``: every member refuses (and bans) a claim above it, and work

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Collection, Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import hivemind
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import MPFuture, get_dht_time
 
@@ -53,6 +54,10 @@ from p2p_diloco.swarm.state import StateSharingMixin
 
 logger = logging.getLogger(__name__)
 _HOST_GRACE_S = 10.0
+LEFT_BEHIND_POLL_S = 2.0
+"""While this peer looks for a group, how often ``average(left_behind=...)`` asks whether the swarm left this
+epoch behind. Each ask reads the progress records from the DHT (a few KB); a few seconds is far below
+``matchmaking_timeout_s`` (60 s by default), which is what a peer that missed its group waited before."""
 
 
 class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, StateSharingMixin,
@@ -159,6 +164,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         stale_weight: float = 0.0,
         due: Collection[str] = (),
         copy_out: bool = True,
+        left_behind: Callable[[], bool] | None = None,
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
         ``matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s`` (plus a few seconds; the
@@ -177,6 +183,9 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         :param copy_out: return the fresh mean as a copy. ``False`` returns views of the shared buffer, valid
           until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
           model-sized copy per round).
+        :param left_behind: asked every ``LEFT_BEHIND_POLL_S`` while no group has formed yet (on this thread,
+          which only waits then); ``True`` gives the round up at once (``Evidence.left_behind``: every peer
+          this one believes is past ``epoch``). ``None``: wait up to ``matchmaking_timeout_s``.
         """
         if fresh is not None:
             self._check_tensors("fresh", fresh)
@@ -217,10 +226,12 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
-            result = control.result(timeout=budget)
+            result = self._wait(control, budget, left_behind)
         except TimeoutError:
             control.cancel()
             return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch)
+        except _LeftBehind:
+            return RoundResult(Outcome.SKIPPED, f"the swarm left epoch {epoch} before a group formed", epoch)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"round failed: {e!r}", epoch)
         finally:
@@ -236,6 +247,26 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             allreduce_timed_out=result.timed_out,
         )
         return self._make_result(result, epoch, budget, copy_out)
+
+    @staticmethod
+    def _wait(control: StepControl, budget: float, left_behind: Callable[[], bool] | None) -> RoundResult:
+        """``control``'s result within ``budget`` seconds (``TimeoutError`` past it); ``_LeftBehind`` once
+        ``left_behind()`` says so while the averager process still looks for a group. The step is cancelled
+        then, which the process honours only before a group forms (``RoundProcessMixin._step``): a round
+        whose all-reduce began is never abandoned here, it runs to its result."""
+        deadline = time.monotonic() + budget
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            try:
+                return control.result(timeout=remaining if left_behind is None else min(remaining, LEFT_BEHIND_POLL_S))
+            except TimeoutError:
+                if left_behind is None or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                    continue
+                if left_behind() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
+                    control.cancel()
+                    raise _LeftBehind from None
 
     @contextlib.contextmanager
     def fresh_buffers(self, timeout: float = 0.0) -> Iterator[list[torch.Tensor] | None]:
@@ -322,3 +353,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             # every member validates its own input, so this means a member sent NaN or inf on purpose
             result.skip("the aggregate holds NaN or infinite values")
         return result
+
+
+class _LeftBehind(Exception):
+    """``RoundAverager._wait``: the swarm moved past this round's epoch while this peer looked for a group."""

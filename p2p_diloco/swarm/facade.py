@@ -9,7 +9,7 @@ It owns the DHT (with the record guard), the ``RoundAverager``, the ``StateServe
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import hivemind
@@ -206,14 +206,16 @@ class Swarm:
                               trusted=trusted, partial_dir=self.partial_dir)
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
-                stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True) -> RoundResult:
+                stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True,
+                left_behind: Callable[[], bool] | None = None) -> RoundResult:
         """One round; the group forms as soon as every peer due in it has joined. Who is due comes from the
         records the round policy's observation just read (:meth:`records`), see ``swarm.quorum``.
-        ``copy_out=False``: the fresh mean is a view of the shared buffer (see ``RoundAverager.average``)."""
+        ``copy_out=False``: the fresh mean is a view of the shared buffer; ``left_behind``: asked while no
+        group has formed, ``True`` gives the round up (both: see ``RoundAverager.average``)."""
         due = due_peers(self._seen, epoch)
         self._warn_above_target(len(due), epoch)
         return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight,
-                                     due=due, copy_out=copy_out)
+                                     due=due, copy_out=copy_out, left_behind=left_behind)
 
     def _warn_above_target(self, due: int, epoch: int) -> None:
         """Say so when more peers are due than one group holds (once per 50 rounds): the swarm then splits into

@@ -171,8 +171,10 @@ class ScriptedSwarm:
     def fresh_buffers(self) -> None:
         return None
 
-    def average(self, delta, weight, staleness, epoch, stale, stale_weight, copy_out=True) -> RoundResult:  # noqa: ANN001
+    def average(self, delta, weight, staleness, epoch, stale, stale_weight, copy_out=True,  # noqa: ANN001
+                left_behind=None) -> RoundResult:  # noqa: ANN001
         self.averaged.append((weight, stale_weight))
+        self.left_behind = left_behind
         return self.result
 
 
@@ -203,6 +205,34 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
                                   params_manifest=tensor_manifest([torch.ones(4)]))
     assert port.resync(4)
     assert swarm.downloads[-1] == (4, frozenset({"a", "b"}))
+
+
+def test_left_behind_needs_every_believed_peer_past_the_epoch() -> None:
+    ev = Evidence("me")
+    assert not ev.left_behind([Claim("me", 3)], 3)  # alone: nobody to have moved on
+    assert ev.left_behind([Claim("me", 3), Claim("a", 4), Claim("b", 5)], 3)
+    # another group of the same round still assembles: not left behind (a split round must not give up)
+    assert not ev.left_behind([Claim("me", 3), Claim("a", 4), Claim("b", 3)], 3)
+    # a peer one epoch behind (downloading) may still join this round
+    assert not ev.left_behind([Claim("me", 3), Claim("a", 4), Claim("late", 2)], 3)
+    ev.averaged_with(["b"])
+    # anchored: Sybil records ahead cannot end the round while a trusted peer is still at this epoch ...
+    claims = [Claim("me", 3), Claim("b", 3)] + [Claim(s, 4) for s in SYBILS]
+    assert not ev.left_behind(claims, 3)
+    # ... and once the trusted peer moved on, this peer is left behind whatever the Sybils say
+    assert ev.left_behind([Claim("me", 3), Claim("b", 4), Claim("sybil0", 3)], 3)
+
+
+def test_port_gives_a_round_up_when_every_trusted_peer_moved_past_it() -> None:
+    swarm = ScriptedSwarm(claims={"me": 3, "a": 3, "b": 3})
+    port, _ = _port(swarm)
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
+    port.average([torch.zeros(4)], 1.0, 0, 3, None, 0.0)
+    assert swarm.left_behind is not None and not swarm.left_behind()
+    swarm.claims["a"] = 4
+    assert not swarm.left_behind()  # b still looks for the group of epoch 3
+    swarm.claims["b"] = 5
+    assert swarm.left_behind()  # the records are read again on each ask
 
 
 def test_port_checksum_vote_counts_groupmates_not_sybils() -> None:

@@ -306,3 +306,50 @@ def test_more_due_peers_than_one_group_holds_is_told_to_the_operator_once_per_50
             swarm._warn_above_target(12, epoch)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2 and "--target-group-size on every peer to at least 12" in warnings[0], warnings
+
+
+class _Control:
+    """A ``StepControl`` stand-in for ``RoundAverager._wait``: no result yet, a stage, a cancel."""
+
+    def __init__(self, stage, result=None, answer_after: int = 10**9) -> None:  # noqa: ANN001
+        self.stage, self._result, self.cancelled, self.asks = stage, result, False, 0
+        self._answer_after = answer_after
+
+    def result(self, timeout: float):  # noqa: ANN201
+        self.asks += 1
+        if self.asks > self._answer_after:
+            return self._result
+        raise TimeoutError
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_a_round_is_given_up_only_while_looking_for_a_group() -> None:
+    from hivemind.averaging.control import AveragingStage
+
+    from p2p_diloco.core.rounds import Outcome, RoundResult
+    from p2p_diloco.swarm.averager import RoundAverager, _LeftBehind
+
+    asked: list[int] = []
+
+    def left_behind() -> bool:
+        asked.append(1)
+        return len(asked) >= 2  # the swarm moves on between the first and the second ask
+
+    looking = _Control(AveragingStage.LOOKING_FOR_GROUP)
+    with pytest.raises(_LeftBehind):
+        RoundAverager._wait(looking, 60.0, left_behind)  # type: ignore[arg-type]
+    assert looking.cancelled and looking.asks == 2 and len(asked) == 2
+    # Once the all-reduce runs, the round is never abandoned: it is waited for until its result.
+    done = RoundResult(Outcome.AVERAGED, "", 3)
+    running = _Control(AveragingStage.RUNNING_ALLREDUCE, done, answer_after=3)
+    asked.clear()
+    assert RoundAverager._wait(running, 60.0, lambda: True) is done  # type: ignore[arg-type]
+    assert not running.cancelled and not asked
+    # Without the question, a round waits its whole budget, in one wait.
+    alone = _Control(AveragingStage.LOOKING_FOR_GROUP)
+    with pytest.raises(TimeoutError):
+        RoundAverager._wait(alone, 0.01, None)  # type: ignore[arg-type]
+    assert not alone.cancelled
