@@ -62,7 +62,10 @@ def test_ten_sybils_neither_move_the_epoch_nor_win_the_checksum_vote(tmp_path: P
         wait_for(lambda: _report(out).get("fingerprint", "abcdef01") != "abcdef01" or procs["a"].poll() is not None,
                  90, "the Sybils to claim the honest model")
         procs.update({name: start_peer(tmp_path, name, maddr, *args) for name in NAMES[1:]})
-        wait_for(lambda: all(len(_together(events(tmp_path, n, "round"))) >= ROUNDS for n in NAMES)
+        # ... and until the attacker has read an honest epoch that far, so that its votes were on the epochs the
+        # honest peers reached (their rounds can be faster than its polling).
+        wait_for(lambda: (all(len(_together(events(tmp_path, n, "round"))) >= ROUNDS for n in NAMES)
+                          and max(_report(out).get("honest_epochs", [0]), default=0) >= ROUNDS)
                  or any(p.poll() is not None for p in procs.values()), 180, f"{ROUNDS} rounds of all three")
         for proc in procs.values():
             proc.terminate()
