@@ -33,6 +33,12 @@ What the samples are:
 - **Arrival**: how long after this peer began looking its group formed, in rounds where the group formed
   with every due peer in it (a leader forms it the moment the last due peer joins, a follower is told at
   once). Rounds without a known due set (a new swarm) teach nothing: their window decided.
+- **Arrival in a round that cut due peers**: a leader also knows when the last due peer that came joined it,
+  and learns from that. Without it, a swarm with churn never learned: a peer that died stays due while its
+  record lives (up to two rounds), so with a peer leaving every round or two almost no round was complete
+  and the window stayed where it was (measured with 32 peers, BENCHMARKS.md "Swarm scale with churn"). A
+  cut peer that was alive after all still grows the window, by the censoring rule above, when it turns up
+  in the next round's group. A follower in such a round learns nothing: it saw only the leader's window.
 - **All-reduce**: the seconds the all-reduce took in rounds that averaged; a round that ran out of time is
   censored at once (groupmates that stop answering are caught by ``--next-chunk-timeout-s``, so running
   out of time means the network was slower than the deadline).
@@ -165,6 +171,7 @@ class ArrivalDeadlines:
         wait_s: float,
         allreduce_s: float | None,
         allreduce_timed_out: bool,
+        due_arrival_s: float | None = None,
     ) -> None:
         """What one round showed.
 
@@ -176,12 +183,16 @@ class ArrivalDeadlines:
         :param wait_s: seconds from the start of the search until the group formed (or the search ended).
         :param allreduce_s: the all-reduce's duration when it completed, else ``None``.
         :param allreduce_timed_out: the all-reduce ran into ``used.allreduce_s``.
+        :param due_arrival_s: this peer led the group: when the last due peer that came joined it
+          (``RoundResult.due_arrival_s``); learned from in a round that cut due peers.
         """
         if self._cut and self._cut & frozenset(members):
             self.window.censored(self._cut_by)  # a peer cut last round is here: it was late, not gone
         self._cut, self._cut_by = frozenset(cut), used.window_s
         if due_members >= 2 and members and not cut:
             self.window.observe(wait_s)
+        elif cut and members and due_arrival_s is not None:
+            self.window.observe(due_arrival_s)  # the peers that came; a cut one proves itself next round
         if allreduce_timed_out:
             self.allreduce.censored(used.allreduce_s)
         elif allreduce_s is not None:

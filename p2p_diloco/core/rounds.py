@@ -99,6 +99,10 @@ class RoundResult:
     """Their ids (base58), as far as they are known."""
     formed_early: bool = False
     """This peer led the group and formed it before its window ended: every due peer had joined."""
+    due_arrival_s: float | None = None
+    """This peer led the group: seconds from the start of its search until the last due peer that did come
+    joined it (``None`` when it followed, or no due peer joined). In a round that cut due peers this is the
+    one arrival sample left: ``core.deadlines`` learns the window from it."""
     timed_out: bool = False
     """The all-reduce ran into its deadline (``allreduce_deadline_s``)."""
     window_s: float = 0.0

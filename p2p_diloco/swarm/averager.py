@@ -243,6 +243,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             cut=result.cut_peers,
             members=result.contributors,
             wait_s=result.wait_seconds,
+            due_arrival_s=result.due_arrival_s,
             allreduce_s=result.allreduce_seconds if result.averaged else None,
             allreduce_timed_out=result.timed_out,
         )

@@ -60,6 +60,9 @@ class Formed:
     """Peers (this one included) verified due this round; 0 when nothing was known."""
     early: bool = False
     """This peer led the group and formed it before its window ended, every due peer having joined."""
+    due_arrival_s: float | None = None
+    """This peer leading: seconds from the start of the search until the last due peer among its followers
+    joined (``RoundResult.due_arrival_s``)."""
 
 
 class EarlyAssembly:
@@ -84,7 +87,7 @@ class EarlyAssembly:
         formed.due = len(due)
         if len(due) < self.min_group_size:
             return  # nobody else is known to be due: the window decides, as it always did
-        began = time.monotonic()
+        began, arrived = time.monotonic(), set()
         joined = self._joined = self._joined or asyncio.Event()
         while True:
             await joined.wait()
@@ -95,6 +98,10 @@ class EarlyAssembly:
                 if matchmaking.current_leader is not None:
                     continue  # we follow another leader now: it decides
                 members = {peer.to_base58() for peer in matchmaking.current_followers} | {me}
+                came = (members & due) - {me}
+                if came - arrived:
+                    formed.due_arrival_s = time.monotonic() - began
+                    arrived |= came
                 if not due <= members or len(members) < self.min_group_size:
                     continue
                 logger.info("Every due peer joined after %.2f s: forming the group of %d now",

@@ -135,6 +135,7 @@ class RoundProcessMixin:
                     result.timed_out = True
             result.wait_seconds = waited
             result.due_members, result.formed_early = formed.due, formed.early
+            result.due_arrival_s = formed.due_arrival_s
             if formed.due:
                 result.cut_peers = tuple(sorted((set(due) | {self.peer_id.to_base58()}) - members))
                 result.cut_members = len(result.cut_peers)

@@ -89,6 +89,32 @@ def test_a_peer_that_died_does_not_grow_the_window() -> None:
     assert windows == [pytest.approx(1.5)] * 5, windows
 
 
+def test_under_churn_a_leader_learns_the_window_from_the_peers_that_came() -> None:
+    # A new swarm with churn: every round some due peer is dead (its record still lives), so no round is
+    # complete. The leader still sees when the last due peer that came joined it, and learns from that.
+    d = _deadlines()
+    windows = []
+    for i in range(6):
+        used = d.next_round()
+        windows.append(used.window_s)
+        d.observe(used, due_members=5, cut=(f"dead{i}",), members=("me", "a", "b", "c"), wait_s=used.window_s,
+                  allreduce_s=2.0, allreduce_timed_out=False, due_arrival_s=0.8)
+    assert windows[:3] == [15.0] * 3 and windows[-1] == pytest.approx(1.5), windows
+    # A follower of such rounds saw only the leader's window: it learns nothing.
+    f = _deadlines()
+    for i in range(6):
+        used = f.next_round()
+        f.observe(used, due_members=5, cut=(f"dead{i}",), members=("me", "a"), wait_s=used.window_s,
+                  allreduce_s=2.0, allreduce_timed_out=False)
+    assert f.window.samples == () and f.next_round().window_s == 15.0
+    # A cut peer that was alive after all, and joins the next round, still grows the learned window.
+    used = d.next_round()
+    d.observe(used, due_members=4, cut=("late",), members=("me", "a", "b"), wait_s=used.window_s, allreduce_s=2.0,
+              allreduce_timed_out=False, due_arrival_s=0.8)
+    _round(d, wait=0.9, members=("me", "late", "a"))
+    assert d.next_round().window_s == pytest.approx(2 * 1.5 * 0.8)  # doubled, then decayed once (0.8x)
+
+
 def test_rounds_without_a_due_set_teach_nothing_about_arrivals() -> None:
     d = _deadlines()
     for _ in range(5):

@@ -353,3 +353,57 @@ def test_a_round_is_given_up_only_while_looking_for_a_group() -> None:
     with pytest.raises(TimeoutError):
         RoundAverager._wait(alone, 0.01, None)  # type: ignore[arg-type]
     assert not alone.cancelled
+
+
+class _Peer:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def to_base58(self) -> str:
+        return self.name
+
+
+class _Matchmaking:
+    """The parts of hivemind's ``Matchmaking`` that ``EarlyAssembly.watch`` reads, as a leader."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.lock_request_join_group = asyncio.Lock()
+        self.is_looking_for_group, self.current_leader = True, None
+        self.current_followers: dict = {}
+        self.assembled_group = asyncio.get_running_loop().create_future()
+
+    async def leader_assemble_group(self) -> None:
+        self.assembled_group.set_result(tuple(self.current_followers))
+
+
+def test_early_assembly_records_when_the_last_due_peer_that_came_joined() -> None:
+    import asyncio
+
+    from p2p_diloco.swarm.quorum import EarlyAssembly, Formed
+
+    async def scenario() -> tuple[Formed, Formed]:
+        # "dead" is due (its record lives) but never joins: the window ends the round, not the assembly.
+        mm, early, formed = _Matchmaking(), EarlyAssembly(min_group_size=2), Formed()
+        watch = asyncio.create_task(early.watch(mm, "me", {"a", "b", "dead"}, formed))
+        for name, after in (("a", 0.05), ("stranger", 0.05), ("b", 0.5)):
+            await asyncio.sleep(after)
+            mm.current_followers[_Peer(name)] = None
+            early.follower_joined()
+        await asyncio.sleep(0.05)
+        watch.cancel()
+        # Every due peer joins: the group forms at once, and the last arrival is that moment.
+        mm2, early2, formed2 = _Matchmaking(), EarlyAssembly(min_group_size=2), Formed()
+        watch2 = asyncio.create_task(early2.watch(mm2, "me", {"a"}, formed2))
+        await asyncio.sleep(0.05)
+        mm2.current_followers[_Peer("a")] = None
+        early2.follower_joined()
+        await asyncio.wait_for(watch2, 5)
+        return formed, formed2
+
+    cut, whole = asyncio.run(scenario())
+    assert not cut.early and cut.due == 4
+    # b joined third, at 0.6 s or later (after a, and a stranger who is not due and does not count)
+    assert cut.due_arrival_s is not None and cut.due_arrival_s >= 0.6, cut
+    assert whole.early and whole.due_arrival_s is not None
