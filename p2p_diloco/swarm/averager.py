@@ -183,9 +183,10 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         :param copy_out: return the fresh mean as a copy. ``False`` returns views of the shared buffer, valid
           until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
           model-sized copy per round).
-        :param left_behind: asked every ``LEFT_BEHIND_POLL_S`` while no group has formed yet (on this thread,
-          which only waits then); ``True`` gives the round up at once (``Evidence.left_behind``: every peer
-          this one believes is past ``epoch``). ``None``: wait up to ``matchmaking_timeout_s``.
+        :param left_behind: asked every ``LEFT_BEHIND_POLL_S`` once the round's matchmaking window has passed
+          and no group has formed yet (on this thread, which only waits then); ``True`` gives the round up at
+          once (``Evidence.left_behind``: every peer this one believes is past ``epoch``). ``None``: wait up
+          to ``matchmaking_timeout_s``.
         """
         if fresh is not None:
             self._check_tensors("fresh", fresh)
@@ -226,7 +227,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
-            result = self._wait(control, budget, left_behind)
+            result = self._wait(control, budget, left_behind, after_s=deadlines.window_s)
         except TimeoutError:
             control.cancel()
             return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch)
@@ -250,12 +251,20 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         return self._make_result(result, epoch, budget, copy_out)
 
     @staticmethod
-    def _wait(control: StepControl, budget: float, left_behind: Callable[[], bool] | None) -> RoundResult:
+    def _wait(control: StepControl, budget: float, left_behind: Callable[[], bool] | None,
+              after_s: float = 0.0) -> RoundResult:
         """``control``'s result within ``budget`` seconds (``TimeoutError`` past it); ``_LeftBehind`` once
-        ``left_behind()`` says so while the averager process still looks for a group. The step is cancelled
-        then, which the process honours only before a group forms (``RoundProcessMixin._step``): a round
-        whose all-reduce began is never abandoned here, it runs to its result."""
-        deadline = time.monotonic() + budget
+        ``left_behind()`` says so while the averager process still looks for a group, asked only ``after_s``
+        seconds into the search (the round's window). The step is cancelled then, which the process honours
+        only before a group forms (``RoundProcessMixin._step``): a round whose all-reduce began is never
+        abandoned here, it runs to its result.
+
+        Why not before the window ends: a record one epoch ahead does not always mean the round is over. An
+        eager peer publishes ``e + 1`` while its all-reduce of ``e`` still looks for a group, and any leader
+        still assembling ``e`` waits at most its window for this peer. Past the window, with every believed
+        peer past ``e``, the group of ``e`` formed without this peer."""
+        began = time.monotonic()
+        deadline = began + budget
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -263,7 +272,8 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             try:
                 return control.result(timeout=remaining if left_behind is None else min(remaining, LEFT_BEHIND_POLL_S))
             except TimeoutError:
-                if left_behind is None or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                if (left_behind is None or control.stage != AveragingStage.LOOKING_FOR_GROUP
+                        or time.monotonic() - began < after_s):
                     continue
                 if left_behind() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
                     control.cancel()

@@ -342,6 +342,11 @@ def test_a_round_is_given_up_only_while_looking_for_a_group() -> None:
     with pytest.raises(_LeftBehind):
         RoundAverager._wait(looking, 60.0, left_behind)  # type: ignore[arg-type]
     assert looking.cancelled and looking.asks == 2 and len(asked) == 2
+    # Within the round's window nobody is asked: a record ahead may be an eager peer still averaging this epoch.
+    asked.clear()
+    patient = _Control(AveragingStage.LOOKING_FOR_GROUP, RoundResult(Outcome.AVERAGED, "", 3), answer_after=50)
+    assert RoundAverager._wait(patient, 60.0, lambda: asked.append(1) or True, after_s=3600.0).averaged  # type: ignore[arg-type]
+    assert not patient.cancelled and not asked
     # Once the all-reduce runs, the round is never abandoned: it is waited for until its result.
     done = RoundResult(Outcome.AVERAGED, "", 3)
     running = _Control(AveragingStage.RUNNING_ALLREDUCE, done, answer_after=3)
