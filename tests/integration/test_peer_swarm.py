@@ -39,13 +39,17 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
     boot, maddr = start_bootstrap(tmp_path)
     # a, b and c train until stopped, so the joiner d always finds a live swarm however slow the host is.
     procs: dict = {}
+    # Rounds of a and b take about a second here, so c's one slow round spans several of theirs, and a state
+    # download can fail when both donors moved on meanwhile (c then trains epoch 1 again, slowly again): how
+    # many rounds old c's work is when it folds depends on the host's load. --max-staleness lifts the age
+    # limit (4 by default) so that what is shown is the fold itself.
+    args = ("--run-id", "t1", "--max-rounds", "60", "--max-staleness", "100")
     try:
         procs |= {
-            "a": start_peer(tmp_path, "a", maddr, "--run-id", "t1", "--max-rounds", "60"),
-            "b": start_peer(tmp_path, "b", maddr, "--run-id", "t1", "--max-rounds", "60"),
+            "a": start_peer(tmp_path, "a", maddr, *args),
+            "b": start_peer(tmp_path, "b", maddr, *args),
             # c is slowed during epoch 1 so it misses that round and must fold its work into a later one.
-            "c": start_peer(tmp_path, "c", maddr, "--run-id", "t1", "--max-rounds", "60",
-                            faults="slow_steps@1=0.8"),
+            "c": start_peer(tmp_path, "c", maddr, *args, faults="slow_steps@1=0.8"),
         }
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
         procs["d"] = start_peer(tmp_path, "d", maddr, "--run-id", "t1", "--max-rounds", "2")
