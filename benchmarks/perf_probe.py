@@ -63,7 +63,9 @@ def main() -> int:
     for epoch in range(args.rounds):
         began = time.monotonic()
         result = averager.average(tensors, 1.0, 0, epoch)
-        rounds.append(dict(outcome=result.outcome, reason=result.reason, group_size=result.group_size,
+        # monotonic time is one clock for every process on the machine, namespaces included: the profiler
+        # (benchmarks/allreduce_profile.py) places the all-reduce at [ended - allreduce_seconds, ended]
+        rounds.append(dict(ended_monotonic=time.monotonic(), outcome=result.outcome, reason=result.reason, group_size=result.group_size,
                            allreduce_seconds=result.allreduce_seconds, wait_seconds=result.wait_seconds,
                            call_seconds=time.monotonic() - began, bytes_sent=result.bytes_sent,
                            bytes_received=result.bytes_received))
