@@ -82,7 +82,97 @@ def allreduce(d: dict[str, Any]) -> list[str]:
                 "close it: one machine per peer (as in a real swarm) to separate CPU from link effects, then "
                 "deeper part prefetch or sending replies in a fixed interleave; int8 on the wire cuts the bytes "
                 "(and this time) about 4x."]
-    return [*out, "", _plot("allreduce", draw)]
+    out += ["", _plot("allreduce", draw)]
+    if profile := _load("allreduce_profile"):
+        out += ["", *allreduce_profile(profile)]
+    return out
+
+
+def _med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def allreduce_profile(d: dict[str, Any]) -> list[str]:
+    """The profile subsection (benchmarks/allreduce_profile.py): where the all-reduce's time goes."""
+    cases = d["cases"]
+    n = cases[0]["peers"]
+    out = [f"#### Profile of the {n}-peer all-reduce", "",
+           f"`perf_swarm allreduce_profile`: the same probes, {d['rounds']} rounds per rate, sampled from outside every "
+           f"{1000 * d['interval_s']:.0f} ms: each peer's eth0 byte counters (tx: what its upload tbf let through, rx: "
+           "what its download tbf delivered; Ethernet headers included, as tbf counts them), the CPU seconds of each peer's process tree (probe, DHT and averager "
+           "processes, p2p daemon) and the machine's busy CPU. A link interval is busy at >= "
+           f"{100 * d['busy_fraction']:.0f}% of the rate and idle below {100 * d['idle_fraction']:.0f}%. Window: "
+           "from the first peer's all-reduce start to the last peer's end. Link-bound: some link of the group was "
+           "busy; CPU-bound: no link was busy and the machine used >= 90% of its cores; waiting: neither. Up "
+           "busy / idle: median over the peers; idle head / middle / tail: idle seconds before a peer's uplink "
+           "was first busy, between, and after it was last busy (median peer).", "",
+           "| Mbit/s | round | slowest / bound | window (s) | link-bound (s) | CPU-bound (s) | waiting (s) | "
+           "up busy | up idle head / middle / tail (s) | down busy | peers' CPU (cores) | machine CPU (cores) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in cases:
+        for r, ratio in zip(c["rounds"], c["ratios"], strict=True):
+            ps = r["peers"]
+            up = [p["up"] for p in ps]
+            out.append(
+                f"| {c['rate_mbit']:g} | {r['round']} | {ratio:.2f} | {r['group_window_s']:.2f} | "
+                f"{r['link_bound_s']:.2f} | {r['cpu_bound_s']:.2f} | {r['neither_s']:.2f} | "
+                f"{100 * _med([u['busy_s'] / u['window_s'] for u in up]):.0f}% / "
+                f"{100 * _med([u['idle_s'] / u['window_s'] for u in up]):.0f}% idle | "
+                f"{_med([u['idle_head_s'] for u in up]):.2f} / {_med([u['idle_middle_s'] for u in up]):.2f} / "
+                f"{_med([u['idle_tail_s'] for u in up]):.2f} | "
+                f"{100 * _med([p['down']['busy_s'] / p['down']['window_s'] for p in ps]):.0f}% | "
+                f"{r['peers_cores']:.2f} | {r['machine_cores']:.2f} |")
+    roles = sorted({role for c in cases for r in c["rounds"] for p in r["peers"] for role in p["cpu_s_by_role"]})
+    out += ["", "CPU seconds per round by process, summed over the peers (median over rounds):", "",
+            "| Mbit/s | " + " | ".join(roles) + " | sampler (whole run) | load average 1 min (before / after) |",
+            "| --- | " + " | ".join("---" for _ in roles) + " | --- | --- |"]
+    for c in cases:
+        by_role = [_med([sum(p["cpu_s_by_role"].get(role, 0.0) for p in r["peers"]) for r in c["rounds"]])
+                   for role in roles]
+        out.append(f"| {c['rate_mbit']:g} | " + " | ".join(f"{x:.2f}" for x in by_role) +
+                   f" | {c['sampler']['cpu_s']:.2f} s in {c['sampler']['span_s']:.0f} s | "
+                   f"{c['load_avg_1m_before']:.2f} / {c['load_avg_1m_after']:.2f} |")
+    out += ["", *PROFILE_FINDINGS] if PROFILE_FINDINGS else []
+
+    def draw_case(axes, c):
+        r = sorted(c["rounds"], key=lambda x: x["slowest_allreduce_s"])[len(c["rounds"]) // 2]  # median round
+        for p in r["peers"]:
+            axes[0].plot(*zip(*p["timeline"]["up_mbit"], strict=True), lw=0.8, label=f"peer {p['peer']}")
+            axes[1].plot(*zip(*p["timeline"]["down_mbit"], strict=True), lw=0.8, label=f"peer {p['peer']}")
+        if r["machine_cores_timeline"]:
+            axes[2].plot(*zip(*r["machine_cores_timeline"], strict=True), color="k", lw=0.8, label="machine")
+        for p in r["peers"]:
+            axes[2].plot(*zip(*p["timeline"]["cpu_cores"], strict=True), lw=0.6, label=f"peer {p['peer']}")
+        for ax in axes[:2]:
+            ax.axhline(c["rate_mbit"], color="gray", ls=":")
+            ax.axvline(0, color="gray", lw=0.5)
+            ax.axvline(r["group_window_s"], color="gray", lw=0.5)
+        axes[0].set_title(f"{c['rate_mbit']:g} Mbit/s, round {r['round']} ({r['slowest_allreduce_s']:.1f} s)",
+                          fontsize=9)
+        axes[0].set_ylabel("uplink Mbit/s")
+        axes[1].set_ylabel("downlink Mbit/s")
+        axes[2].set_ylabel("CPU cores")
+        axes[2].axhline(r["cores"], color="gray", ls=":")
+        axes[2].set_xlabel("s from the first peer's all-reduce start")
+        axes[2].legend(fontsize=6, ncol=3)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, grid = plt.subplots(3, len(cases), figsize=(5 * len(cases), 7), squeeze=False)
+    for col, c in enumerate(cases):
+        draw_case(grid[:, col], c)
+    fig.tight_layout()
+    path = RESULTS / "perf_allreduce_profile.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [*out, "", f"![allreduce profile](benchmarks/results/{path.name})"]
+
+
+PROFILE_FINDINGS: list[str] = []
+"""What the profile says, written from the measured run (benchmarks/results/perf_allreduce_profile.json)."""
 
 
 def utilization(d: dict[str, Any]) -> list[str]:
