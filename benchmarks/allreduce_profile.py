@@ -22,6 +22,8 @@ import logging
 import os
 import statistics
 import subprocess
+import sys
+import time
 from typing import Any
 
 from benchmarks.link_profile import (
@@ -37,6 +39,58 @@ from benchmarks.testbed import Testbed
 
 logger = logging.getLogger("allreduce_profile")
 INTERVAL_S = 0.05
+
+
+_MESH = """
+import socket, sys, threading, time
+me, start_at, nbytes, others = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+server = socket.create_server((me, 9001), backlog=len(others))
+ends = []
+def serve(conn):
+    while conn.recv(1 << 20):
+        pass
+    ends.append(time.monotonic())
+def accept():
+    for _ in others:
+        conn, _ = server.accept()
+        threading.Thread(target=serve, args=(conn,)).start()
+def send(ip):
+    for _ in range(400):
+        try:
+            conn = socket.create_connection((ip, 9001), timeout=2)
+            break
+        except OSError:
+            time.sleep(0.05)
+    conn.settimeout(None)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    buf, left = bytes(1 << 20), nbytes
+    while left > 0:
+        left -= conn.send(buf[:min(left, 1 << 20)])
+    conn.close()
+threads = [threading.Thread(target=accept)] + [threading.Thread(target=send, args=(ip,)) for ip in others]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(timeout=600)
+while len(ends) < len(others) and time.monotonic() < start_at + 600:
+    time.sleep(0.01)
+print(max(ends))
+"""
+
+
+def tcp_mesh(bed: Testbed, n: int, nbytes_per_flow: int) -> float:
+    """Seconds for every host 1..n to send ``nbytes_per_flow`` to every other one over plain TCP at once.
+
+    The all-reduce's traffic pattern without the all-reduce: n-1 flows leave each uplink and n-1 enter each
+    downlink, every flow through two rate limits, as parts and replies do. The plain single-flow floor
+    (perf_swarm ``tcp_goodput``) has one flow per link; this is the floor for a mesh.
+    """
+    start_at = time.monotonic() + 3.0
+    procs = [bed.popen(i, [sys.executable, "-c", _MESH, bed.ip(i), str(start_at), str(nbytes_per_flow),
+                           *[bed.ip(j) for j in range(1, n + 1) if j != i]], stdout=subprocess.PIPE, text=True)
+             for i in range(1, n + 1)]
+    ends = [float(p.communicate(timeout=600)[0].split()[-1]) for p in procs]
+    return max(ends) - start_at
 
 
 def _tc_stats(bed: Testbed, n: int) -> dict[str, str]:
@@ -93,43 +147,66 @@ def analyse(sampler: Sampler, peers: list[dict[str, Any]], rate_mbit: float, cor
     return rounds
 
 
-def run_case(n: int, rate: float, rounds: int) -> dict[str, Any]:
-    tag = f"arprof{n}x{int(rate)}"
+def run_case(n: int, rate: float, rounds: int, variant: str = "default", extra: tuple[str, ...] = ()
+             ) -> dict[str, Any]:
+    tag = f"arprof{n}x{int(rate)}{variant.replace(' ', '')}"
     with Testbed(n + 1, rate) as bed:
-        out = fresh(f"allreduce-profile-{n}-{int(rate)}")
+        out = fresh(f"allreduce-profile-{n}-{int(rate)}-{variant.replace(' ', '')}")
         maddr = _boot(bed, out)
         load_before = os.getloadavg()[0]
-        procs = spawn_probes(bed, out, maddr, n, tag, "--rounds", str(rounds))
+        procs = spawn_probes(bed, out, maddr, n, tag, "--rounds", str(rounds), *extra)
         sampler = Sampler([p.pid for p in procs], INTERVAL_S).start()
         try:
             peers = collect_probes(out, tag, procs, timeout=400)
         finally:
             sampler.stop()
         tc = _tc_stats(bed, n)
-    nbytes = peers[0]["nbytes"]
-    bound = 2 * (n - 1) / n * nbytes * 8 / (rate * 1e6)
+        nbytes = peers[0]["nbytes"]
+        bound = 2 * (n - 1) / n * nbytes * 8 / (rate * 1e6)
+        # each uplink carries 2(n-1)/n x S: (n-1) flows of 2 S / n each
+        mesh_s = tcp_mesh(bed, n, int(2 * nbytes / n)) if variant == "default" else None
     analysed = analyse(sampler, peers, rate, os.cpu_count() or 1)
     samples = len(sampler.machine_t)
     span = sampler.machine_t[-1] - sampler.machine_t[0] if samples > 1 else float("nan")
-    case = dict(peers=n, rate_mbit=rate, nbytes=nbytes, bound_s=bound,
+    case = dict(variant=variant, probe_args=list(extra), peers=n, rate_mbit=rate, nbytes=nbytes, bound_s=bound,
                 ratios=[r["slowest_allreduce_s"] / bound for r in analysed],
+                tcp_mesh_s=mesh_s, tcp_mesh_ratio=None if mesh_s is None else mesh_s / bound,
                 outcomes=[[x["outcome"] for x in p["rounds"]] for p in peers],
                 load_avg_1m_before=load_before, load_avg_1m_after=os.getloadavg()[0],
                 sampler=dict(interval_s=INTERVAL_S, samples=samples, span_s=span,
                              mean_interval_s=span / max(1, samples - 1), cpu_s=sampler.sampler_cpu_s),
                 tc_after=tc, rounds=analysed)
     for r in analysed:
-        logger.info("N=%d %g Mbit/s round %d: %.2f s (%.2fx bound), peers %.2f cores, machine %.2f cores; "
-                    "link-bound %.2f s, CPU-bound %.2f s, neither %.2f s; uplink utilization %s", n, rate,
-                    r["round"], r["slowest_allreduce_s"], r["slowest_allreduce_s"] / bound, r["peers_cores"],
+        logger.info("%s N=%d %g Mbit/s round %d: %.2f s (%.2fx bound), peers %.2f cores, machine %.2f cores; "
+                    "link-bound %.2f s, CPU-bound %.2f s, neither %.2f s; uplink utilization %s",
+                    variant, n, rate, r["round"], r["slowest_allreduce_s"], r["slowest_allreduce_s"] / bound, r["peers_cores"],
                     r["machine_cores"], r["link_bound_s"], r["cpu_bound_s"], r["neither_s"],
                     [round(p["up"]["utilization"], 2) for p in r["peers"]])
+        logger.info("seconds with k of %d links busy: %s", 2 * n, [round(x, 2) for x in r["busy_links_s"]])
     return case
 
 
+VARIANTS = {"default": (), "prefetch 8": ("--prefetch", "8")}
+"""The runner as it is, and one experiment: deeper prefetch of parts (see perf_probe ``--prefetch``)."""
+
+
+def keep_one_timeline(case: dict[str, Any]) -> None:
+    """Drop the per-sample timelines of every round but the median one (the plot's), to keep the JSON small."""
+    ordered = sorted(case["rounds"], key=lambda r: r["slowest_allreduce_s"])
+    keep = ordered[len(ordered) // 2]["round"]
+    case["timeline_round"] = keep
+    for r in case["rounds"]:
+        if r["round"] != keep:
+            r.pop("machine_cores_timeline", None)
+            for p in r["peers"]:
+                p.pop("timeline", None)
+
+
 def bench_allreduce_profile(n: int = 4, rates: tuple[float, ...] = (20.0, 100.0), rounds: int = 3) -> None:
-    cases = [run_case(n, rate, rounds) for rate in rates]
+    cases = [run_case(n, rate, rounds, variant, extra) for variant, extra in VARIANTS.items() for rate in rates]
+    for case in cases:
+        keep_one_timeline(case)
     save("allreduce_profile", dict(rounds=rounds, interval_s=INTERVAL_S, busy_fraction=BUSY_FRACTION,
                                    idle_fraction=IDLE_FRACTION, cases=cases,
-                                   median_ratio={f"{c['rate_mbit']:g}": statistics.median(c["ratios"])
-                                                 for c in cases}))
+                                   median_ratio={f"{c['variant']} {c['rate_mbit']:g}": statistics.median(c["ratios"])
+                                                 for c in cases}), indent=None)

@@ -222,26 +222,30 @@ def cpu_seconds(t: Sequence[float], cum_cpu_s: Sequence[float], begin: float, en
 
 def cpu_overlap(links: Sequence[tuple[Sequence[float], Sequence[float]]], rate_bytes_s: float,
                 cpu_t: Sequence[float], cpu_busy_s: Sequence[float], cores: float, begin: float, end: float,
-                busy_fraction: float = BUSY_FRACTION, saturated_fraction: float = 0.9) -> dict[str, float]:
+                busy_fraction: float = BUSY_FRACTION, saturated_fraction: float = 0.9) -> dict[str, Any]:
     """Split [begin, end] into link-bound, CPU-bound and neither, on the grid of ``cpu_t``.
 
     Each interval of the CPU series is *link-bound* when at least one of ``links`` (``(times, cumulative
     bytes)`` pairs, e.g. every uplink and downlink of a group) carried ``busy_fraction`` of its rate;
     otherwise *CPU-bound* when the machine used at least ``saturated_fraction`` of ``cores``; otherwise
-    *neither* (every link below its rate and CPU to spare: the protocol was waiting).
+    *neither* (every link below its rate and CPU to spare: the protocol was waiting). ``busy_links_s[k]`` is
+    the seconds during which exactly ``k`` of the links were busy.
     """
     ts, busy = _clip(cpu_t, cpu_busy_s, begin, end)
-    out = dict(link_bound_s=0.0, cpu_bound_s=0.0, neither_s=0.0, cpu_saturated_s=0.0)
+    out: dict[str, Any] = dict(link_bound_s=0.0, cpu_bound_s=0.0, neither_s=0.0, cpu_saturated_s=0.0,
+                               busy_links_s=[0.0] * (len(links) + 1))
     for t0, t1, b0, b1 in zip(ts, ts[1:], busy, busy[1:], strict=False):
         dt = t1 - t0
         if dt <= 0:
             continue
         saturated = (b1 - b0) / dt >= saturated_fraction * cores
         out["cpu_saturated_s"] += dt if saturated else 0.0
-        link_busy = False
+        count = 0
         for link_t, link_bytes in links:
             _, v = _clip(link_t, link_bytes, t0, t1)
-            link_busy = link_busy or (v[-1] - v[0]) / dt >= busy_fraction * rate_bytes_s
+            count += (v[-1] - v[0]) / dt >= busy_fraction * rate_bytes_s
+        out["busy_links_s"][count] += dt
+        link_busy = count > 0
         key = "link_bound_s" if link_busy else "cpu_bound_s" if saturated else "neither_s"
         out[key] += dt
     return out

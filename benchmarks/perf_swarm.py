@@ -54,10 +54,10 @@ def hardware() -> dict[str, Any]:
                 python=platform.python_version(), kernel=platform.release())
 
 
-def save(name: str, payload: dict[str, Any]) -> None:
+def save(name: str, payload: dict[str, Any], indent: int | None = 1) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = dict(payload, hardware=hardware(), finished_unix=time.time())
-    (RESULTS / f"perf_{name}.json").write_text(json.dumps(payload, indent=1))
+    (RESULTS / f"perf_{name}.json").write_text(json.dumps(payload, indent=indent))
     logger.info("wrote %s", RESULTS / f"perf_{name}.json")
 
 
@@ -404,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
             took = time.monotonic() - began
             logger.info("%s took %.0f s", name, took)
             path = RESULTS / f"perf_{name}.json"
-            path.write_text(json.dumps(dict(json.loads(path.read_text()), took_s=took), indent=1))
+            # diagnostics keep sample series: one line, not one line per number
+            path.write_text(json.dumps(dict(json.loads(path.read_text()), took_s=took),
+                                       indent=None if name in DIAGNOSTICS else 1))
     except KeyboardInterrupt:
         print("perf_swarm: interrupted; namespaces removed", file=sys.stderr)
         return 130

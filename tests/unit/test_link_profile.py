@@ -55,6 +55,7 @@ def test_link_cpu_and_waiting_split() -> None:
     assert split["cpu_bound_s"] == pytest.approx(1.0)
     assert split["neither_s"] == pytest.approx(1.0)
     assert split["cpu_saturated_s"] == pytest.approx(1.0)
+    assert split["busy_links_s"] == pytest.approx([2.0, 1.0, 0.0])
     assert cpu_seconds(cpu_t, cpu, 0.0, 3.0) == pytest.approx(3.0)
 
 
