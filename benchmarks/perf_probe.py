@@ -35,6 +35,19 @@ def template(numel: int, model: str | None) -> list[torch.Tensor]:
     return [torch.randn(min(chunk, numel - i), generator=gen) for i in range(0, numel, chunk)]
 
 
+def _deeper_prefetch(depth: int) -> None:
+    """Experiment only (benchmarks/allreduce_profile.py): every all-reduce runner of this process, the averager
+    process forked from it included, reads ``depth`` parts ahead on each stream instead of hivemind's 1."""
+    from p2p_diloco.swarm.runner import CountingAllReduceRunner
+
+    original = CountingAllReduceRunner.__init__
+
+    def init(self: CountingAllReduceRunner, **kwargs: object) -> None:
+        original(self, **{"prefetch": depth, **kwargs})
+
+    CountingAllReduceRunner.__init__ = init  # type: ignore[method-assign]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="perf_probe")
     parser.add_argument("--ip", required=True)
@@ -46,8 +59,13 @@ def main() -> int:
     parser.add_argument("--compression", default="none")
     parser.add_argument("--run-id", default="probe")
     parser.add_argument("--part-size-bytes", type=int, default=SwarmConfig.part_size_bytes)
+    parser.add_argument("--prefetch", type=int, default=0,
+                        help="experiment: parts each runner decodes ahead per stream (hivemind's prefetch, 1 "
+                             "unless set); 0 leaves the runner as it is")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.prefetch:
+        _deeper_prefetch(args.prefetch)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # hivemind reports why a reducer's stream ended early only at DEBUG; a benchmark wants the reason
     logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
@@ -63,7 +81,9 @@ def main() -> int:
     for epoch in range(args.rounds):
         began = time.monotonic()
         result = averager.average(tensors, 1.0, 0, epoch)
-        rounds.append(dict(outcome=result.outcome, reason=result.reason, group_size=result.group_size,
+        # monotonic time is one clock for every process on the machine, namespaces included: the profiler
+        # (benchmarks/allreduce_profile.py) places the all-reduce at [ended - allreduce_seconds, ended]
+        rounds.append(dict(ended_monotonic=time.monotonic(), outcome=result.outcome, reason=result.reason, group_size=result.group_size,
                            allreduce_seconds=result.allreduce_seconds, wait_seconds=result.wait_seconds,
                            call_seconds=time.monotonic() - began, bytes_sent=result.bytes_sent,
                            bytes_received=result.bytes_received))

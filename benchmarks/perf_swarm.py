@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m benchmarks.perf_swarm all        # or one of: allreduce utilization codecs
                                                                #            joiner hetero scale
+    sudo .venv/bin/python -m benchmarks.perf_swarm allreduce_profile  # where the all-reduce's time goes
     .venv/bin/python -m benchmarks.perf_report                # tables into BENCHMARKS.md, PNG plots
 
 Each benchmark writes ``benchmarks/results/perf_<name>.json`` with the hardware and every measured value.
@@ -53,10 +54,10 @@ def hardware() -> dict[str, Any]:
                 python=platform.python_version(), kernel=platform.release())
 
 
-def save(name: str, payload: dict[str, Any]) -> None:
+def save(name: str, payload: dict[str, Any], indent: int | None = 1) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = dict(payload, hardware=hardware(), finished_unix=time.time())
-    (RESULTS / f"perf_{name}.json").write_text(json.dumps(payload, indent=1))
+    (RESULTS / f"perf_{name}.json").write_text(json.dumps(payload, indent=indent))
     logger.info("wrote %s", RESULTS / f"perf_{name}.json")
 
 
@@ -85,6 +86,11 @@ def _boot(bed: Testbed, out: Path) -> str:
 
 def _probe_group(bed: Testbed, out: Path, maddr: str, n: int, tag: str, *extra: str,
                  timeout: float = 400) -> list[dict[str, Any]]:
+    return collect_probes(out, tag, spawn_probes(bed, out, maddr, n, tag, *extra), timeout)
+
+
+def spawn_probes(bed: Testbed, out: Path, maddr: str, n: int, tag: str, *extra: str) -> list[subprocess.Popen]:
+    """``n`` all-reduce probes (benchmarks/perf_probe.py), probe i in host i's namespace."""
     procs = []
     for i in range(1, n + 1):
         procs.append(bed.popen(i, [sys.executable, "-m", "benchmarks.perf_probe", "--ip", bed.ip(i),
@@ -92,6 +98,12 @@ def _probe_group(bed: Testbed, out: Path, maddr: str, n: int, tag: str, *extra: 
                                    "--out", str(out / f"{tag}-{i}.json"), *extra],
                                stdout=open(out / f"{tag}-{i}.out", "w"), stderr=subprocess.STDOUT,
                                env=dict(os.environ, OMP_NUM_THREADS="1")))
+    return procs
+
+
+def collect_probes(out: Path, tag: str, procs: list[subprocess.Popen], timeout: float = 400) -> list[dict[str, Any]]:
+    """Wait for the probes of ``spawn_probes`` (bounded by ``timeout``) and read their results."""
+    n = len(procs)
     deadline = time.monotonic() + timeout
     for proc in procs:
         try:
@@ -364,9 +376,19 @@ BENCHES = dict(allreduce=bench_allreduce, utilization=bench_utilization, codecs=
                joiner_1mbit=lambda: bench_joiner(rate=1.0, steps=500, name="joiner_1mbit"))
 
 
+def _allreduce_profile() -> None:
+    from benchmarks.allreduce_profile import bench_allreduce_profile  # imports this module
+
+    bench_allreduce_profile()
+
+
+# Diagnostics: run by name only, not by "all" (they explain a benchmark's number rather than add one).
+DIAGNOSTICS = dict(allreduce_profile=_allreduce_profile)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="perf_swarm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="+", choices=[*BENCHES, "all"])
+    parser.add_argument("names", nargs="+", choices=[*BENCHES, *DIAGNOSTICS, "all"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = missing_requirements()
@@ -378,11 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             began = time.monotonic()
-            BENCHES[name]()
+            {**BENCHES, **DIAGNOSTICS}[name]()
             took = time.monotonic() - began
             logger.info("%s took %.0f s", name, took)
             path = RESULTS / f"perf_{name}.json"
-            path.write_text(json.dumps(dict(json.loads(path.read_text()), took_s=took), indent=1))
+            # diagnostics keep sample series: one line, not one line per number
+            path.write_text(json.dumps(dict(json.loads(path.read_text()), took_s=took),
+                                       indent=None if name in DIAGNOSTICS else 1))
     except KeyboardInterrupt:
         print("perf_swarm: interrupted; namespaces removed", file=sys.stderr)
         return 130
