@@ -264,16 +264,21 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         still assembling ``e`` waits at most its window for this peer. Past the window, with every believed
         peer past ``e``, the group of ``e`` formed without this peer."""
         began = time.monotonic()
-        deadline = began + budget
+        deadline, ask_at = began + budget, began + after_s
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 raise TimeoutError
             try:
-                return control.result(timeout=remaining if left_behind is None else min(remaining, LEFT_BEHIND_POLL_S))
+                # first asked the moment the window ends, then every LEFT_BEHIND_POLL_S
+                return control.result(timeout=remaining if left_behind is None else
+                                      min(remaining, max(0.05, ask_at - now)))
             except TimeoutError:
-                if (left_behind is None or control.stage != AveragingStage.LOOKING_FOR_GROUP
-                        or time.monotonic() - began < after_s):
+                if left_behind is None or time.monotonic() < ask_at:
+                    continue
+                ask_at = time.monotonic() + LEFT_BEHIND_POLL_S
+                if control.stage != AveragingStage.LOOKING_FOR_GROUP:
                     continue
                 if left_behind() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
                     control.cancel()

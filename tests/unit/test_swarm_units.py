@@ -6,6 +6,7 @@ import dataclasses
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -319,6 +320,7 @@ class _Control:
         self.asks += 1
         if self.asks > self._answer_after:
             return self._result
+        time.sleep(min(timeout, 0.01))  # waits as the real one does, briefly
         raise TimeoutError
 
     def cancel(self) -> bool:
@@ -326,11 +328,14 @@ class _Control:
         return True
 
 
-def test_a_round_is_given_up_only_while_looking_for_a_group() -> None:
+def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
     from hivemind.averaging.control import AveragingStage
 
     from p2p_diloco.core.rounds import Outcome, RoundResult
+    from p2p_diloco.swarm import averager
     from p2p_diloco.swarm.averager import RoundAverager, _LeftBehind
+
+    monkeypatch.setattr(averager, "LEFT_BEHIND_POLL_S", 0.01)
 
     asked: list[int] = []
 
@@ -341,7 +346,7 @@ def test_a_round_is_given_up_only_while_looking_for_a_group() -> None:
     looking = _Control(AveragingStage.LOOKING_FOR_GROUP)
     with pytest.raises(_LeftBehind):
         RoundAverager._wait(looking, 60.0, left_behind)  # type: ignore[arg-type]
-    assert looking.cancelled and looking.asks == 2 and len(asked) == 2
+    assert looking.cancelled and len(asked) == 2
     # Within the round's window nobody is asked: a record ahead may be an eager peer still averaging this epoch.
     asked.clear()
     patient = _Control(AveragingStage.LOOKING_FOR_GROUP, RoundResult(Outcome.AVERAGED, "", 3), answer_after=50)
