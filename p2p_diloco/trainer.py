@@ -67,20 +67,33 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: InnerConfig,
     return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps, last_epoch=last_step)
 
 
+def place_model(model: torch.nn.Module, cfg: InnerConfig) -> torch.device:
+    """Move ``model`` to the training device of ``cfg`` (and to bf16 there with ``weights_dtype="bf16"``), in
+    place: its Parameter objects stay the same, so a session already holding them follows. Returns the device;
+    ``ValueError`` names a device this machine lacks.
+
+    ``run_peer`` calls it before the swarm's processes are forked, not only the trainer: a CPU copy of the
+    weights alive at the fork would stay in each forked process after the move (see
+    ``SwarmSession.start``)."""
+    device = select_device(cfg.device)
+    if cfg.weights_dtype == "bf16":
+        if device.type != "cuda":
+            raise ValueError("weights_dtype: bf16 weights need a CUDA device; use --weights-dtype fp32 here")
+        # the same Parameter objects, now bf16 on the GPU: the session's anchors stay fp32 on the host
+        model.to(device, dtype=torch.bfloat16)
+    else:
+        model.to(device)
+    return device
+
+
 class InnerTrainer:
     """AdamW with warmup + cosine decay, gradient accumulation, clipping and bf16 autocast on CUDA."""
 
     def __init__(self, model: PreTrainedModel, cfg: InnerConfig, batches: Iterable[torch.Tensor]) -> None:
         self.cfg = cfg
-        self.device = select_device(cfg.device)
+        self.device = place_model(model, cfg)
         self.amp_dtype = autocast_dtype(self.device, cfg.precision)
-        if cfg.weights_dtype == "bf16":
-            if self.device.type != "cuda":
-                raise ValueError("weights_dtype: bf16 weights need a CUDA device; use --weights-dtype fp32 here")
-            # the same Parameter objects, now bf16 on the GPU: the session's anchors stay fp32 on the host
-            self.model = model.to(self.device, dtype=torch.bfloat16)
-        else:
-            self.model = model.to(self.device)
+        self.model = model
         if cfg.gradient_checkpointing:
             # non-reentrant: works with inputs that need no grad and is what torch recommends. transformers 5
             # names it activation checkpointing (the gradient_ name is its deprecated alias).

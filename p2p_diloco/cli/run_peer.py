@@ -49,6 +49,7 @@ from p2p_diloco.peer.resume import save_session, state_dict_of
 from p2p_diloco.peer.runlog import RunLog
 from p2p_diloco.peer.session import SwarmSession
 from p2p_diloco.swarm import SwarmStartError
+from p2p_diloco.trainer import place_model
 
 logger = logging.getLogger(__name__)
 PROG = "run_peer"
@@ -171,6 +172,10 @@ def _main(argv: Sequence[str] | None) -> int:
     display = ProgressDisplay.for_terminal(sys.stdout, log_file=cfg.run.log_file,
                                            tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len * ranks)
     if group is None:
+        try:  # on its device before session.start() forks the swarm's processes (see SwarmSession.start)
+            place_model(model, cfg.inner)
+        except ValueError as e:
+            usage_error(PROG, str(e))
         session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display],
                                faults=faults or NO_FAULTS)
     else:

@@ -54,6 +54,7 @@ from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
+from p2p_diloco.shared_memory import check_room, share_before_fork
 from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
@@ -178,7 +179,10 @@ class SwarmSession:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> str:
-        """Start the DHT and averager, then bring the state up to the swarm's. Returns how it started."""
+        """Start the DHT and averager, then bring the state up to the swarm's. Returns how it started.
+
+        ``SwarmStartError`` when ``/dev/shm`` cannot hold the shared tensors (``p2p_diloco.shared_memory``)."""
+        self._share_before_fork()
         self.swarm.start()
         self.driver.peer_id = self.peer_id
         self.port.start()
@@ -190,6 +194,19 @@ class SwarmSession:
         if swarm_epoch is not None and swarm_epoch > self.epoch:
             how = self._join(swarm_epoch) or how
         return how
+
+    def _share_before_fork(self) -> None:
+        """Put the host tensors this process keeps writing (anchors, momentum, a CPU peer's weights) in shared
+        memory before ``swarm.start()`` forks the DHT and averager processes, so that those do not keep
+        private copies of them (``p2p_diloco.shared_memory``); first check that ``/dev/shm`` holds them."""
+        host = [*self.state.anchors, *(b for b in self.state.outer.momentum_buffers() if b is not None),
+                *(p for p in self.params if p.device.type == "cpu")]
+        already = sum(t.numel() * t.element_size() for t in host if t.is_shared())
+        problem = check_room(self.state.numel, weights_on_cpu=any(p.device.type == "cpu" for p in self.params),
+                             already_shared=already)
+        if problem is not None:
+            raise SwarmStartError(problem)
+        share_before_fork(host)
 
     def _refuse_other_models(self) -> None:
         """Stop with a clear message when this run's peers all train another model than ours, on evidence.
