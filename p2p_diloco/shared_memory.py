@@ -22,8 +22,10 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch itself is not imported: run_peer doctor reads this module before it loads torch
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ import shutil
 from dataclasses import dataclass
 
 from p2p_diloco.cli.doctor_report import Check
+from p2p_diloco.shared_memory import SHM_PATH, shared_bytes, shm_fix, shm_free_bytes
 
 GIB = 2**30
 
@@ -190,6 +191,10 @@ def check_resources(cfg, device) -> list[Check]:
                         + (", training side on the CPU too" if device.type != "cuda" else "") + ")",
                         "close other programs, or pick a smaller --model (the swarm side's host memory grows "
                         "with the parameters only)"))
+    free_shm = shm_free_bytes()
+    if free_shm is not None:  # a full /dev/shm kills the peer with SIGBUS (Docker's default is 64 MiB)
+        need = shared_bytes(shape.parameters, weights_on_cpu=device.type == "cpu", peak=True)
+        checks.append(_fits("shared memory", need, free_shm, f"free in {SHM_PATH}", shm_fix(need)))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         fix = ("lower --micro-batch-size (the batch is kept by accumulation) or --seq-len, or free the GPU "
