@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
@@ -140,6 +141,22 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         )
         if start:
             self.run_in_background(await_ready=True, timeout=cfg.startup_timeout_s)
+            self._block_command_pipe()
+
+    def _block_command_pipe(self) -> None:
+        """Make the averager process's reads of its command pipe blocking again (call once it is ready).
+
+        hivemind's averager process watches its end of the pipe with its event loop's ``add_reader``, and uvloop
+        (libuv) sets that descriptor non-blocking. Python's ``Connection`` writes a message above 16 KiB as two
+        writes, length then payload, and the reader, woken by the length, then finds the payload not there yet:
+        ``BlockingIOError``, which hivemind logs and skips, leaving the pipe mid-message; the next read unpickles
+        garbage and the averager's thread dies (``EOFError``). Messages that large are ordinary: the download's
+        destination tensors and chunk digests, a fold round's late-work tensors. Measured: a 77 KB command lost
+        the averager on the first try, and joiners of the memory benchmark (``small`` preset) lost theirs in 2 of
+        3 downloads. The flag belongs to the pipe's open file, which this process shares with the averager
+        process, so clearing it here fixes the reads there. Blocking costs nothing: the reader reads only after
+        ``poll()`` said a message began, and the rest follows at once."""
+        os.set_blocking(self._inner_pipe.fileno(), True)
 
     # ---------------------------------------------------------------- host side
 

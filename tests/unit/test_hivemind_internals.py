@@ -46,6 +46,7 @@ METHODS = [
 ]
 FIELDS = [
     (DecentralizedAverager, "_outer_pipe", "swarm/averager.py, swarm/state.py send commands through it"),
+    (DecentralizedAverager, "_inner_pipe", "swarm/averager.py makes its reads blocking (uvloop made them not)"),
     (DecentralizedAverager, "_averaged_tensors", "swarm/averager.py reads the buffers back"),
     (DecentralizedAverager, "_matchmaking", "swarm/averager.py, round_process.py, access.py, patience.py"),
     (DecentralizedAverager, "_pending_groups_registered", "swarm/round_process.py, registry.py"),
@@ -83,7 +84,8 @@ def _assigned(cls: type, name: str) -> bool:
     """``name`` is a class attribute, or some method of the class (or a base) assigns ``self.name``."""
     if name in vars(cls) or any(name in vars(base) for base in cls.__mro__):
         return True
-    pattern = re.compile(rf"self\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)")
+    # ``self.name = ...``, ``self.name: T = ...`` or the first of ``self.name, self.other = ...``
+    pattern = re.compile(rf"self\.{re.escape(name)}\s*(:[^=\n]*)?(,\s*self\.\w+\s*)*=(?!=)")
     return any(pattern.search(inspect.getsource(base)) for base in cls.__mro__
                if base.__module__.startswith("hivemind"))
 
