@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 EPOCH_LIMIT = 10**8
@@ -190,16 +190,19 @@ class Evidence:
         """This peer loaded ``donor``'s verified state: its lineage is ours now."""
         self.averaged_with([donor])
 
-    def unbacked(self, claims: Sequence[Claim], min_epoch: int) -> dict[str, float]:
+    def unbacked(self, claims: Sequence[Claim], min_epoch: int, served: Collection[str] = ()) -> dict[str, float]:
         """No acceptable state of ``min_epoch`` or newer could be downloaded: ignore the untrusted peers
         claiming it for a while (see ``unbacked_s``). Trusted claims stay (their donors may be busy or cut
-        off: the round policy carries the work and tries again). Returns the peers now ignored, with for how
-        many seconds."""
+        off: the round policy carries the work and tries again), and so do the claims of ``served``: donors
+        that delivered verified chunks of such a state before the download failed. They serve what they
+        claim; the usual cause is that they moved on to the next round's state mid-download, on a slow or
+        loaded joiner, and ignoring them then left the joiner training alone from its own state. Returns the
+        peers now ignored, with for how many seconds."""
         now, (first, most) = self._clock(), self.unbacked_s
         marked = {}
         for claim in claims:
             peer = claim.peer_id
-            if claim.epoch >= min_epoch and peer != self.me and not self.trusts(peer):
+            if claim.epoch >= min_epoch and peer != self.me and not self.trusts(peer) and peer not in served:
                 strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
                 marked[peer] = min(most, first * 2 ** min(strikes - 1, 30))
                 self._unbacked[peer] = now + marked[peer]

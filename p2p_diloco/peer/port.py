@@ -193,11 +193,13 @@ class SwarmPort:
         known = self.manifest
         self.withdraw()
         self._zeros = None
+        backed: set[str] = set()
         with self._network():
-            state = self.swarm.download(self.state.anchors, min_epoch, timeout, trusted=self.trusted_or_none())
+            state = self.swarm.download(self.state.anchors, min_epoch, timeout, trusted=self.trusted_or_none(),
+                                        backed=backed)
         self.notify("state_transfer", "received", state is not None)
         if state is None:
-            ignored = self.evidence.unbacked(self.claims, min_epoch)
+            ignored = self.evidence.unbacked(self.claims, min_epoch, served=backed)
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours%s", min_epoch,
                            f"; ignoring the epoch claims of {len(ignored)} untrusted peer(s) for "
                            f"{min(ignored.values()):.0f} s or more" if ignored else "")

@@ -133,7 +133,7 @@ def download_update(averager: RoundAverager, templates: Sequence[torch.Tensor], 
         dest = [torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
                 for t in (*templates[:meta["np"]], *templates[:meta["no"]])]
         chunks = state_chunk_map(dest, meta["np"])
-        problem, dropped = fetch_verified(averager, sources, meta, dest, chunks, None, deadline)
+        problem, dropped, _ = fetch_verified(averager, sources, meta, dest, chunks, None, deadline)
         problem = problem or nonfinite(dest)
         for donor, reason in dropped.items():
             logger.warning("Update donor %s dropped: %s", donor, reason)

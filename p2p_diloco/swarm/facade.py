@@ -198,12 +198,12 @@ class Swarm:
             return buffers
 
     def download(self, templates: Sequence[torch.Tensor], min_epoch: int, timeout: float | None = None,
-                 trusted: frozenset[str] | None = None) -> SwarmState | None:
+                 trusted: frozenset[str] | None = None, backed: set[str] | None = None) -> SwarmState | None:
         """The swarm's verified state of ``min_epoch`` or newer (parameters and momentum), or None;
-        ``trusted`` as in ``state.download_state``."""
+        ``trusted`` and ``backed`` as in ``state.download_state``."""
         # the momentum has the anchors' shapes and dtypes: the templates serve twice (only those are read)
         return download_state(self.averager, templates, templates, min_epoch=min_epoch, timeout=timeout,
-                              trusted=trusted, partial_dir=self.partial_dir)
+                              trusted=trusted, partial_dir=self.partial_dir, backed=backed)
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True,

@@ -358,12 +358,16 @@ def download_state(
     max_donors: int = 8,
     trusted: frozenset[str] | None = None,
     partial_dir: Path | None = None,
+    backed: set[str] | None = None,
 ) -> SwarmState | None:
     """Download and verify the swarm's state from up to ``max_donors`` donors within ``timeout`` seconds
     (default ``cfg.state_download_timeout_s``). ``min_epoch`` defaults to the swarm's global epoch.
     ``trusted``: the peers whose donors and checksums this peer trusts (``core.evidence``), or ``None`` when
     none of them is online (a newcomer). ``partial_dir``: where verified chunks are kept so that a download
-    cut by a restart resumes (``swarm.partial``); ``None`` keeps nothing.
+    cut by a restart resumes (``swarm.partial``); ``None`` keeps nothing. ``backed``: filled with the donors
+    that delivered verified chunks of a state of ``min_epoch`` or newer, even when the download as a whole
+    failed: they serve what their records claim (typically they moved on to the next round's state
+    mid-download), so their claims are not unbacked (``core.evidence``).
 
     Every donor's manifest is read first (small) and checked against the digest it claims; the first
     acceptable digest in donor order (trusted donors first, then by epoch) is downloaded from every donor
@@ -418,7 +422,9 @@ def download_state(
         if not dest:
             dest.extend(torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
                         for t in templates)
-        problem, dropped = fetch_verified(averager, sources, meta, dest, chunks, partial_dir, deadline)
+        problem, dropped, served = fetch_verified(averager, sources, meta, dest, chunks, partial_dir, deadline)
+        if backed is not None:
+            backed.update(p for p, count in served.items() if count > 0)
         rejected.extend(f"{p}: {reason}" for p, reason in dropped.items())
         problem = problem or nonfinite(dest)
         if problem is not None:
@@ -463,9 +469,10 @@ def download_state(
 
 
 def fetch_verified(averager: RoundAverager, sources: list[str], meta: dict, dest: list[torch.Tensor], chunks: ChunkMap,
-           partial_dir: Path | None, deadline: float) -> tuple[str | None, dict[str, str]]:
+           partial_dir: Path | None, deadline: float) -> tuple[str | None, dict[str, str], dict[str, int]]:
     """Fill ``dest`` with the state ``meta`` describes: chunks kept on disk first, then from ``sources`` in
-    parallel. Returns (what went wrong or ``None``, donors dropped with their reasons)."""
+    parallel. Returns (what went wrong or ``None``, donors dropped with their reasons, verified chunks each
+    donor delivered)."""
     digests = meta["pc"] + meta["mc"]
     store = PartialStore(partial_dir, meta["sha"], chunks) if partial_dir is not None else None
     have: set[int] = set()
@@ -480,15 +487,16 @@ def fetch_verified(averager: RoundAverager, sources: list[str], meta: dict, dest
         have = store.load(digests, lambda index, data: write_chunk(views, chunks, index, data))
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        return "state_download_timeout_s ran out", {}
+        return "state_download_timeout_s ran out", {}, {}
     try:
         result = averager.fetch_chunks(sources, meta["sha"], dest, meta["np"], digests, have,
                                        store.directory if store is not None else None, remaining)
     except Exception as e:
-        return f"download failed: {e}", {}
+        return f"download failed: {e}", {}, {}
     missing = chunks.count - len(result["done"])
     if missing:
-        return f"download incomplete: {missing} of {chunks.count} chunks missing (kept the rest)", result["dropped"]
+        return (f"download incomplete: {missing} of {chunks.count} chunks missing (kept the rest)", result["dropped"],
+                result["served"])
     if store is not None:
         store.remove()
-    return None, result["dropped"]
+    return None, result["dropped"], result["served"]

@@ -138,6 +138,8 @@ class ScriptedSwarm:
     """What ``download_update`` returns (``swarm.catchup``)."""
     moves_on: dict[str, int] = field(default_factory=dict)
     """Claims that change while a download runs (the swarm moved on meanwhile)."""
+    served_chunks: set[str] = field(default_factory=set)
+    """Donors that delivered verified chunks of a download that then failed (``backed``)."""
     result: RoundResult | None = None
 
     def records(self) -> list[SimpleNamespace]:
@@ -147,9 +149,11 @@ class ScriptedSwarm:
     def checksum_votes(self, epoch: int) -> dict[str, str]:
         return dict(self.votes)
 
-    def download(self, templates, min_epoch, timeout=None, trusted=None):  # noqa: ANN001, ANN201
+    def download(self, templates, min_epoch, timeout=None, trusted=None, backed=None):  # noqa: ANN001, ANN201
         self.downloads.append((min_epoch, trusted))
         self.claims.update(self.moves_on)
+        if backed is not None:
+            backed.update(self.served_chunks)
         donor = self.donor
         if isinstance(donor, list):  # a sequence of downloads
             donor = donor.pop(0)
@@ -205,6 +209,20 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
                                   params_manifest=tensor_manifest([torch.ones(4)]))
     assert port.resync(4)
     assert swarm.downloads[-1] == (4, frozenset({"a", "b"}))
+
+
+def test_port_keeps_believing_donors_that_served_verified_chunks_of_a_failed_download() -> None:
+    # a and b served most of epoch 2's state, then stepped to epoch 3 before the joiner had every chunk
+    swarm = ScriptedSwarm(claims={"me": 0, "a": 2, "b": 2, "liar": 50}, moves_on={"a": 3, "b": 3},
+                          served_chunks={"a", "b"})
+    port, _ = _port(swarm)
+    assert port.observe(0).swarm_epoch == 50  # a newcomer cannot tell the liar yet
+    assert not port.resync(2)
+    # the liar, who served nothing, is ignored; a and b still pull this peer to their new epoch at once
+    assert port.observe(0).swarm_epoch == 3
+    swarm.served_chunks = set()
+    assert not port.resync(3)  # now nobody served anything: every untrusted claim is ignored for a while
+    assert port.observe(0).swarm_epoch in (None, 0)
 
 
 def test_left_behind_needs_every_believed_peer_past_the_epoch() -> None:

@@ -203,7 +203,8 @@ class _FakeAverager:
             fetched.append(i)
         self.fetched.append(fetched)
         self.cut_after = None
-        return dict(done=sorted(done), dropped={} if len(done) == chunks.count else {"donor": "cut off"})
+        return dict(done=sorted(done), dropped={} if len(done) == chunks.count else {"donor": "cut off"},
+                    served={"donor": len(fetched)})
 
 
 def test_a_download_cut_short_resumes_from_disk_and_fetches_only_the_rest(tmp_path: Path,
