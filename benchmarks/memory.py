@@ -180,10 +180,30 @@ def _rows(path: Path, kind: str) -> list[dict[str, Any]]:
     return rows
 
 
+def save_shaped_model(shape: str, seq_len: int, folder: Path) -> None:
+    """A Llama of ``HIDDEN,INTERMEDIATE,LAYERS,HEADS`` with random weights and the byte vocabulary, saved as a
+    local model folder (config.json + safetensors): the peers load it as any local model (``--model DIR``),
+    through ``from_pretrained``. For sizes between the presets, e.g. 1280,3456,24,20 (about 476M)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, heads = (int(v) for v in shape.split(","))
+    config = LlamaConfig(vocab_size=259, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=max(seq_len, 128), tie_word_embeddings=True, pad_token_id=0,
+                         bos_token_id=None, eos_token_id=1)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    del model
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"mem-{args.preset}-"))
+    model_arg = [] if args.shape else ["--model", args.preset]
+    if args.shape:  # --preset names the result; the model is a local folder of that shape
+        save_shaped_model(args.shape, args.seq_len, work / "model")
+        model_arg = ["--model", str(work / "model"), "--tokenizer", "byte"]
     logger.info("model side of %s ...", args.preset)
-    model = model_side(args.preset, args.seq_len, args.batch_size)
+    model = model_side(str(work / "model") if args.shape else args.preset, args.seq_len, args.batch_size)
     n = model["params"]
     logger.info("%s: %d parameters, %s", args.preset, n, model["by_device"])
     env = _env()
@@ -201,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def start(name: str, rounds: int) -> None:
         port = free_port()
         argv = [sys.executable, "-m", "p2p_diloco.cli.run_peer", *TIMINGS, "--initial-peers", maddr,
-                "--model", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                *model_arg, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
                 "--local-steps", str(args.local_steps), "--min-local-steps", str(args.local_steps),
                 "--eval-every", "0", "--max-rounds", str(rounds), "--metrics-port", str(port),
                 "--log-file", str(work / f"{name}.jsonl"), "--checkpoint-dir", str(work / f"ckpt-{name}"),
@@ -272,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "preset": args.preset, "params": n, "peers": args.peers, "joiner": args.joiner, "rounds": args.rounds,
         "local_steps": args.local_steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "extra_args": args.extra, "env": args.env, "label": args.label, "model_side": model["by_device"],
+        "extra_args": args.extra, "shape": args.shape, "env": args.env, "label": args.label, "model_side": model["by_device"],
         "model_side_b_per_param": sum(sum(d.values()) for d in model["by_device"].values()) / n,
         "phases": phases,
         "outcomes": {name: {o: [r["outcome"] for r in rows].count(o) for o in {r["outcome"] for r in rows}}
@@ -305,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="start a swarm and sample its memory")
     r.add_argument("--preset", default="tiny")
     r.add_argument("--label", default="after", help="a name for this measurement (e.g. before, after)")
+    r.add_argument("--shape", help="HIDDEN,INTERMEDIATE,LAYERS,HEADS: peers load a Llama of this shape from a local "
+                   "folder (random weights, byte vocabulary) instead of the preset; --preset then only names it")
     r.add_argument("--peers", type=int, default=2)
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--local-steps", type=int, default=3)

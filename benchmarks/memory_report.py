@@ -35,7 +35,8 @@ def summarize(run: dict[str, Any], runtime: float | None) -> dict[str, Any]:
     n = run["params"]
     model = run["model_side_b_per_param"] * n
     out: dict[str, Any] = {"preset": run["preset"], "label": run["label"], "params": n,
-                           "model_b": run["model_side_b_per_param"], "phases": {}}
+                           "model_b": run["model_side_b_per_param"], "phases": {}, "joiner": run.get("joiner", False),
+                           "peers": run.get("peers", 2), "shape": run.get("shape")}
     for phase in PHASES:
         p = run["phases"].get(phase)
         if p is None:
@@ -123,7 +124,10 @@ def markdown(data: dict[str, Any], summaries: list[dict[str, Any]], extra: list[
              "(weights, gradients, AdamW state, counted from the tensors: 16 bytes/parameter on this CPU) - runtime "
              "(the tiny preset's whole-tree PSS while training, same label). `serving` = a donor while the joiner "
              "downloads from it; `syncing` = the joiner while it downloads. Every peer shares the 2 cores and 24 GiB "
-             "with other jobs (1-minute load average at the end of each run in the JSON).", ""]
+             "with other jobs (1-minute load average at the end of each run in the JSON). `476m`: "
+             "`--preset 476m --shape 1280,3456,24,20 --peers 1`, one peer of a 476M-parameter Llama that it loads from "
+             "a local model folder (`from_pretrained`), stepping alone; two peers of that size do not fit this "
+             "machine.", ""]
     lines += ["| preset | label | parameters | phase | steady B/param | peak B/param | swarm side steady | "
               "swarm side peak |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s in summaries:
@@ -167,14 +171,18 @@ def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None)
         if before and after and "swarm_steady" in before and "swarm_steady" in after:
             out.append(f"- {preset}: swarm side {before['swarm_steady']:.1f} -> {after['swarm_steady']:.1f} "
                        f"bytes/param steady, {before['swarm_peak']:.1f} -> {after['swarm_peak']:.1f} at peak.")
-    largest = max((s for s in summaries if s["label"] == "after" and "swarm_steady" in s),
-                  key=lambda s: s["params"], default=None)
+    after = [s for s in summaries if s["label"] == "after" and "swarm_steady" in s]
+    full = max((s for s in after if s["joiner"]), key=lambda s: s["params"], default=None)
+    largest = max(after, key=lambda s: s["params"], default=None)
+    for s in dict.fromkeys(x for x in (full, largest) if x is not None):
+        worst = max(s["phases"].items(), key=lambda kv: kv[1].get("swarm_peak", 0.0))
+        what = ("every phase" if s["joiner"] else
+                f"{s['peers']} peer, solo rounds: no serving or download phase, whose peak the row above gives")
+        out.append(f"- {s['preset']} ({what}): steady {s['swarm_steady']:.1f} bytes/param "
+                   f"(target 12: {'met' if s['swarm_steady'] <= 12 else 'missed'}), peak "
+                   f"{s['swarm_peak']:.1f} in phase `{worst[0]}` (target 16: "
+                   f"{'met' if s['swarm_peak'] <= 16 else 'missed'}).")
     if largest:
-        worst = max(largest["phases"].items(), key=lambda kv: kv[1].get("swarm_peak", 0.0))
-        out.append(f"- Largest measured ({largest['preset']}): steady {largest['swarm_steady']:.1f} bytes/param "
-                   f"(target 12: {'met' if largest['swarm_steady'] <= 12 else 'missed'}), peak "
-                   f"{largest['swarm_peak']:.1f} in phase `{worst[0]}` (target 16: "
-                   f"{'met' if largest['swarm_peak'] <= 16 else 'missed'}).")
         if "overhead_pct_of_500" in largest:
             out.append(f"- Round overhead at {largest['preset']}: {largest['overhead_s']:.2f} s, "
                        f"{largest['overhead_pct_of_500']:.3f}% of a 500-step phase of this CPU's steps (target 1%: "
@@ -186,8 +194,9 @@ def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None)
                    f"peak ({'fits' if r['host_fits_32gb'] else 'does not fit'} 32 GB RAM at its peak); GPU fits 24 GB "
                    f"with: {', '.join(r['gpu_fits_24gb']) or 'no option'}.")
     out += ["", "Not measured (misses stay listed):", "",
-            "- A 400-500M config: one such peer on this CPU needs about 17 GB of PSS at the 150m bytes/param "
-            "(37 per parameter with the training side on the CPU), on a 24 GiB machine shared with other jobs.",
+            "- A 400-500M config in a swarm: two such peers (about 13 GB each with the training side on this CPU) "
+            "do not fit this 24 GiB machine, so the 476m row is one peer's solo rounds: no all-reduce, serving or "
+            "download at that size.",
             "- 150m before the changes: two peers needed about 18 GB together; the issue's own measurement was "
             "8.8 GB per peer.",
             "- Late-work fold and eager overlap as phases: this benchmark injects no faults and runs without "
@@ -205,9 +214,9 @@ def report(path: Path) -> str:
     runs.sort(key=lambda r: (order.get(r["preset"], 9), r["params"], r["label"] != "before"))
     summaries = [summarize(r, _runtime(runs, r["label"])) for r in runs]
     plot(summaries, RESULTS / "memory.png")
-    after = [s for s in summaries if s["label"] == "after" and "swarm_steady" in s]
+    after = [s for s in summaries if s["label"] == "after" and "swarm_steady" in s and s["joiner"]]
     extra, basis = None, ""
-    if after:
+    if after:  # the largest run that went through every phase (a joiner: serving and download too)
         largest = max(after, key=lambda s: s["params"])
         runtime = _runtime(runs, "after") or 0.0
         extra = extrapolate(largest["swarm_steady"], largest["swarm_peak"], runtime)

@@ -9,6 +9,7 @@ import heapq
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -224,3 +225,23 @@ def test_a_download_cut_short_resumes_from_disk_and_fetches_only_the_rest(tmp_pa
     assert state.params_manifest is not None and state.params_manifest.sha == params_sha256(params)
     assert not list(tmp_path.iterdir())  # done: the partial is gone
     assert CHUNK_BYTES == 1 << 20
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_threaded_manifest_equals_the_one_pass_manifest(threads: int, monkeypatch: Any) -> None:
+    """Chunks cut across tensor boundaries, empty tensors and every dtype: the chunks hashed on ``threads``
+    threads give the same digests as one pass over the bytes (the protocol's definition)."""
+    import p2p_diloco.swarm.checksum as checksum
+
+    monkeypatch.setattr(checksum, "HASH_THREADS", threads)
+    monkeypatch.setattr(checksum, "_pool", None)
+    gen = torch.Generator().manual_seed(threads)
+    tensors = [torch.randn(CHUNK_BYTES // 4 + 3, generator=gen), torch.zeros(0), torch.randn(7, generator=gen),
+               torch.randn(3 * CHUNK_BYTES // 8, generator=gen).to(torch.bfloat16),
+               torch.randint(0, 9, (CHUNK_BYTES // 8 - 1,), generator=gen), torch.randn(1000, generator=gen)]
+    one_pass = checksum._sequential_manifest(tensors, [(t.dtype, tuple(t.shape)) for t in tensors])
+    assert checksum.tensor_manifest(tensors) == one_pass
+    square = torch.randn(300, 300, generator=gen)  # not contiguous: hashed from a copy, on this thread
+    assert checksum.tensor_manifest([*tensors, square.t()]) == checksum.tensor_manifest([*tensors, square.t().contiguous()])
+    assert one_pass.count == -(-sum(t.numel() * t.element_size() for t in tensors) // CHUNK_BYTES)
+    assert checksum.tensor_manifest(tensors[:1] + [tensors[1] + 0]) != checksum.tensor_manifest(tensors[:1])
