@@ -18,19 +18,19 @@ GIB = 2**30
 PROCESS_OVERHEAD_BYTES = int(0.65 * GIB)
 """Host memory the processes take besides tensors (interpreter, torch, the DHT and averager processes, the
 p2p daemons): a peer of the 0.84M-parameter tiny preset, whole process tree, proportional set size, median
-0.57 GiB and peak 0.60 GiB while training in a 2-peer swarm (benchmarks/memory.py, CPU build of torch 2.13)."""
+0.61 GiB and peak 0.61 GiB while training in a 2-peer swarm (benchmarks/memory.py, CPU build of torch 2.13)."""
 
-HOST_BYTES_PER_PARAM = 16.0
-"""Host bytes per parameter of the swarm side, steady: 15.8 measured while training (benchmarks/memory.py,
-``150m`` preset, 2-peer swarm, whole process tree PSS less the model side and the runtime). Of it, anchors 4,
-outer momentum 4 and the averager's shared buffer 4 (the pseudo-gradient is written into it; the state is
-served from the anchors themselves); the rest is allocator and process slack. On the CPU the training side
-(16) comes on top."""
+HOST_BYTES_PER_PARAM = 12.0
+"""Host bytes per parameter of the swarm side, steady: 11.3 measured while training at the ``150m`` preset
+(2-peer swarm and a joiner) and 11.4 at 476M parameters (one peer), whole process tree PSS less the model
+side and the runtime (benchmarks/memory.py). It is the anchors (4), the outer momentum (4) and the averager's
+shared buffer (4: the pseudo-gradient is written into it; the state is served from the anchors themselves),
+all in shared memory. On the CPU the training side (16) comes on top."""
 
-HOST_PEAK_BYTES_PER_PARAM = 24.0
-"""Host bytes per parameter of the swarm side at its peak: 24.2 measured on a peer resyncing after a round
-(the downloaded parameters and momentum sit beside its own until they are verified and loaded; its phase's
-work waits in the averager's buffer meanwhile); at most 20.3 in every other phase."""
+HOST_PEAK_BYTES_PER_PARAM = 16.0
+"""Host bytes per parameter of the swarm side at its peak: 15.9 measured on a joiner downloading the state at
+the ``150m`` preset (the downloaded parameters and momentum sit beside its own until they are verified and
+loaded), and 15.9 at 476M parameters (one peer, at a round's end); at most 14.1 in every other phase."""
 
 GPU_BYTES_PER_PARAM = {"fp32": 16, "bf16": 8}
 """Training-device bytes per parameter by ``--weights-dtype``: weights, gradients and AdamW's two moments, all
