@@ -36,7 +36,8 @@ def summarize(run: dict[str, Any], runtime: float | None) -> dict[str, Any]:
     model = run["model_side_b_per_param"] * n
     out: dict[str, Any] = {"preset": run["preset"], "label": run["label"], "params": n,
                            "model_b": run["model_side_b_per_param"], "phases": {}, "joiner": run.get("joiner", False),
-                           "peers": run.get("peers", 2), "shape": run.get("shape")}
+                           "peers": run.get("peers", 2), "shape": run.get("shape"),
+                           "extra_args": run.get("extra_args", [])}
     for phase in PHASES:
         p = run["phases"].get(phase)
         if p is None:
@@ -171,6 +172,12 @@ def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None)
         if before and after and "swarm_steady" in before and "swarm_steady" in after:
             out.append(f"- {preset}: swarm side {before['swarm_steady']:.1f} -> {after['swarm_steady']:.1f} "
                        f"bytes/param steady, {before['swarm_peak']:.1f} -> {after['swarm_peak']:.1f} at peak.")
+    for s in summaries:  # variants of the after-code (e.g. ``eager``: --overlap eager), against its plain run
+        plain = by.get((s["preset"], "after"))
+        if s["label"] not in ("before", "after") and plain and "swarm_steady" in s and "swarm_steady" in plain:
+            out.append(f"- {s['preset']}, {s['label']} ({' '.join(s.get('extra_args') or []) or 'same flags'}): "
+                       f"swarm side {s['swarm_steady']:.1f} bytes/param steady, {s['swarm_peak']:.1f} at peak, "
+                       f"against {plain['swarm_steady']:.1f} and {plain['swarm_peak']:.1f} without.")
     after = [s for s in summaries if s["label"] == "after" and "swarm_steady" in s]
     full = max((s for s in after if s["joiner"]), key=lambda s: s["params"], default=None)
     largest = max(after, key=lambda s: s["params"], default=None)
@@ -199,9 +206,9 @@ def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None)
             "download at that size.",
             "- 150m before the changes: two peers needed about 18 GB together; the issue's own measurement was "
             "8.8 GB per peer.",
-            "- Late-work fold and eager overlap as phases: this benchmark injects no faults and runs without "
-            "`--overlap eager`; their buffers are counted from the code in docs/architecture.md (a fold adds a "
-            "4 bytes/param buffer for its round; eager keeps copies of its own term).",
+            "- A late-work fold as a phase: this benchmark injects no faults; its buffer is counted from the code in "
+            "docs/architecture.md (a fold adds a 4 bytes/param buffer for its round). Eager overlap is the "
+            "`eager` row at `small`.",
             "- The per-round hash still blocks the training thread (inside the overhead above): the anchors' and "
             "the momentum's chunks, on up to 8 threads (`checksum.HASH_THREADS`; 1.56 GB/s on one core of this "
             "machine, 3.1 on both, idle), about 1 s per round at 1B on 8 cores. The training thread could go on "

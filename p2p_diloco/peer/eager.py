@@ -19,7 +19,10 @@ Rules that keep it safe:
   discarded rounds give ``None``: the eager rule then steps with the own term only (``Δ(t-1)`` unknown).
 
 The thread itself does almost no work: the all-reduce runs in the averager's process, and the thread only
-waits for its answer, so it costs the training loop nothing but a copy of the pseudo-gradient.
+waits for its answer, so it costs the training loop one copy of the pseudo-gradient into the averager's
+shared buffer. The average comes back as a view of that buffer (no copy), which the round applies before it
+launches the next all-reduce into the same buffer. Memory beyond a blocking peer: the own term of the last
+round (``core.eager``, 4 bytes/param) and the pseudo-gradient the round computes beside the buffer (4).
 """
 
 from __future__ import annotations
@@ -91,10 +94,19 @@ class EagerOverlap:
             logger.warning("Not sending the work of epoch %d: the all-reduce of epoch %d is still running",
                            epoch, self._round.epoch)
             return False
-        fresh = [t.detach().clone() for t in delta]
+        # Written into the averager's shared buffer, which the all-reduce reads in place: no copy of the work
+        # lives beside it for the round. The previous round's average was read from the same buffer (a view,
+        # ``copy_out=False``), and the caller applied it before this launch.
+        shared = self.averager.fresh_buffers()
+        if shared is not None:
+            for dst, src in zip(shared, delta, strict=True):
+                dst.copy_(src.detach())
+            fresh = shared
+        else:  # a round still holds the buffer (cannot happen when not busy; kept as the safe path)
+            fresh = [t.detach().clone() for t in delta]
         stale_copy = [t.detach().clone() for t in stale] if stale is not None else None
         self._round = _Round(self.averager, epoch, (fresh, weight, staleness, epoch),
-                             dict(stale=stale_copy, stale_weight=stale_weight))
+                             dict(stale=stale_copy, stale_weight=stale_weight, copy_out=False))
         return True
 
     def collect(self, epoch: int, timeout: float) -> Collected:

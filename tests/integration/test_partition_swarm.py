@@ -29,7 +29,8 @@ pytestmark = [
 ]
 
 BATCH = 4  # swarm_procs.FAST's --batch-size: a round's own weight is BATCH x inner steps
-PARTITION_S = 40.0  # longer than --progress-ttl-s (30 in FAST): the others' records expire at peer 3
+PROGRESS_TTL_S = 15  # FAST's 30, halved: records are republished every round (about a second) and every 5 s
+PARTITION_S = 20.0  # longer than PROGRESS_TTL_S: the others' records expire at peer 3
 
 
 def _fast_without_host() -> list[str]:
@@ -41,12 +42,12 @@ def _fast_without_host() -> list[str]:
 
 def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_path: Path) -> None:
     # The others keep averaging while peer 3 is cut off: since groups form as soon as every due peer joined,
-    # a round takes about a second and they run some 30 rounds in the 40 s cut (about 10 when every round
+    # a round takes about a second and they run some 15 rounds in the 20 s cut (about 5 when every round
     # waited out its window). Its work must still be young enough to fold, so the bound is the largest allowed.
     # --max-round-weight: a claim is capped at 4 x batch x H by default, and the partition's work (every
     # skipped round's) outweighs that when peer 3 skips more than 4 rounds; this test counts every sample.
     args = [*_fast_without_host(), "--run-id", "part", "--max-rounds", "200", "--max-staleness", "1000",
-            "--max-round-weight", "100000"]
+            "--max-round-weight", "100000", "--progress-ttl-s", str(PROGRESS_TTL_S)]
     with Testbed(4, 1000.0, prefix=f"pdp{os.getpid()}") as bed:
         procs = start_swarm(bed, tmp_path, 3, args)
         # ... and the others have rounds too: a first peer that started alone steps to epoch 2 by itself, and
