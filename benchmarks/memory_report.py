@@ -221,7 +221,8 @@ def report(path: Path) -> str:
     runs = data["runs"]
     order = {"tiny": 0, "mini": 1, "small": 2, "150m": 3}
     runs.sort(key=lambda r: (order.get(r["preset"], 9), r["params"], r["label"] != "before"))
-    summaries = [summarize(r, _runtime(runs, r["label"])) for r in runs]
+    # a variant without its own tiny run (e.g. ``eager``) uses the after-code's runtime
+    summaries = [summarize(r, _runtime(runs, r["label"]) or _runtime(runs, "after")) for r in runs]
     plot(summaries, RESULTS / "memory.png")
     after = [s for s in summaries if s["label"] == "after" and "swarm_steady" in s and s["joiner"]]
     extra, basis = None, ""
