@@ -58,7 +58,10 @@ def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_pat
         bed.set_link(3, up=False)
         cut = time.time()
         cut_epoch = {n: max(r["new_epoch"] for r in events(tmp_path, n, "round")) for n in ("peer1", "peer2")}
-        wait_for(lambda: time.time() - cut >= PARTITION_S, PARTITION_S + 5, "the partition to last")
+        # at least PARTITION_S, and until peer 3 ended a round cut off (its search gives up after
+        # --matchmaking-timeout-s, 15 s in FAST)
+        wait_for(lambda: time.time() - cut >= PARTITION_S and any(
+            r["time"] > cut for r in events(tmp_path, "peer3", "round")), PARTITION_S + 90, "the partition to last")
         bed.set_link(3, up=True)
         healed = time.time()
 
