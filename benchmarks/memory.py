@@ -226,8 +226,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "--eval-every", "0", "--max-rounds", str(rounds), "--metrics-port", str(port),
                 "--log-file", str(work / f"{name}.jsonl"), "--checkpoint-dir", str(work / f"ckpt-{name}"),
                 "--checkpoint-every", "1", "--keep-checkpoints", "1", *args.extra]
+        faults = dict(kv.split("=", 1) for kv in args.faults)
+        peer_env = dict(env, P2P_DILOCO_FAULTS=faults[name]) if name in faults else env
         procs[name] = subprocess.Popen(argv, stdout=open(work / f"{name}.out", "w"), stderr=subprocess.STDOUT,
-                                       env=env)
+                                       env=peer_env)
         sampler.add(name, procs[name].pid, port)
 
     began = time.time()
@@ -292,7 +294,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "preset": args.preset, "params": n, "peers": args.peers, "joiner": args.joiner, "rounds": args.rounds,
         "local_steps": args.local_steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "extra_args": args.extra, "shape": args.shape, "env": args.env, "label": args.label, "model_side": model["by_device"],
+        "extra_args": args.extra, "shape": args.shape, "faults": args.faults, "env": args.env, "label": args.label,
+        "model_side": model["by_device"],
         "model_side_b_per_param": sum(sum(d.values()) for d in model["by_device"].values()) / n,
         "phases": phases,
         "outcomes": {name: {o: [r["outcome"] for r in rows].count(o) for o in {r["outcome"] for r in rows}}
@@ -338,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--keep", action="store_true", help="keep the peers' logs")
     r.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of the peers, e.g. MALLOC_MMAP_THRESHOLD_=65536")
+    r.add_argument("--faults", action="append", default=[], metavar="PEER=SPEC",
+                   help="faults of one peer (peer0, peer1, joiner), e.g. peer1=slow_steps@1=8: it misses a round, "
+                        "resyncs and folds its work in late (p2p_diloco.peer.faults)")
     r.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more run_peer flags")
     sub.add_parser("report", help="BENCHMARKS.md table, plot and extrapolation from memory.json")
     args = parser.parse_args(argv)

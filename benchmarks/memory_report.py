@@ -37,7 +37,7 @@ def summarize(run: dict[str, Any], runtime: float | None) -> dict[str, Any]:
     out: dict[str, Any] = {"preset": run["preset"], "label": run["label"], "params": n,
                            "model_b": run["model_side_b_per_param"], "phases": {}, "joiner": run.get("joiner", False),
                            "peers": run.get("peers", 2), "shape": run.get("shape"),
-                           "extra_args": run.get("extra_args", [])}
+                           "extra_args": run.get("extra_args", []), "faults": run.get("faults", [])}
     for phase in PHASES:
         p = run["phases"].get(phase)
         if p is None:
@@ -178,7 +178,8 @@ def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None)
     for s in summaries:  # variants of the after-code (e.g. ``eager``: --overlap eager), against its plain run
         plain = by.get((s["preset"], "after"))
         if s["label"] not in ("before", "after") and plain and "swarm_steady" in s and "swarm_steady" in plain:
-            out.append(f"- {s['preset']}, {s['label']} ({' '.join(s.get('extra_args') or []) or 'same flags'}): "
+            how = " ".join([*(s.get("extra_args") or []), *(f"--faults {f}" for f in s.get("faults") or [])])
+            out.append(f"- {s['preset']}, {s['label']} ({how or 'same flags'}): "
                        f"swarm side {s['swarm_steady']:.1f} bytes/param steady, {s['swarm_peak']:.1f} at peak, "
                        f"against {plain['swarm_steady']:.1f} and {plain['swarm_peak']:.1f} without.")
     after = [s for s in summaries if s["label"] == "after" and "swarm_steady" in s]
@@ -209,9 +210,9 @@ def reading(summaries: list[dict[str, Any]], extra: list[dict[str, Any]] | None)
             "download at that size.",
             "- 150m before the changes: two peers needed about 18 GB together; the issue's own measurement was "
             "8.8 GB per peer.",
-            "- A late-work fold as a phase: this benchmark injects no faults; its buffer is counted from the code in "
-            "docs/architecture.md (a fold adds a 4 bytes/param buffer for its round). Eager overlap is the "
-            "`eager` row at `small`.",
+            "- A late-work fold and eager overlap are measured at `small` only (the `fold` and `eager` rows): the "
+            "phase gauge has no phase of its own for a fold, so its buffers show in the peaks of `averaging` and "
+            "`syncing`.",
             "- The per-round hash still blocks the training thread (inside the overhead above): the anchors' and "
             "the momentum's chunks, on up to 8 threads (`checksum.HASH_THREADS`; 1.56 GB/s on one core of this "
             "machine, 3.1 on both, idle), about 1 s per round at 1B on 8 cores. The training thread could go on "

@@ -235,8 +235,10 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             for src, dst in zip(fresh if has_fresh else (), buffers, strict=False):
                 if src.data_ptr() != dst.data_ptr():  # written in place through fresh_buffers(): no copy
                     dst.copy_(src.detach())
-        # The late work's buffer exists for this round only; the averager process maps it (shared memory).
-        stale_shared = [src.detach().to("cpu", copy=True).share_memory_() for src in stale] if has_stale else None
+        # The late work goes to shared memory for this round, in place: the averager process maps the caller's
+        # own CPU tensors (share_memory_ moves their storage, a tensor at a time) instead of a copy of them,
+        # which had put a second model-sized buffer beside the late work for the whole fold round.
+        stale_shared = [_shared(src) for src in stale] if has_stale else None
         try:
             deadlines = self.deadlines.next_round()
             gather = sign_gather(encode_gather(self.bandwidth, self.mode, info), self._claim_key)
@@ -386,6 +388,14 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             # every member validates its own input, so this means a member sent NaN or inf on purpose
             result.skip("the aggregate holds NaN or infinite values")
         return result
+
+
+def _shared(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself in shared memory when it is a CPU tensor (moved in place), else a shared CPU copy."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.to("cpu", memory_format=torch.contiguous_format, copy=True)
+    return tensor.share_memory_()
 
 
 class _LeftBehind(Exception):
