@@ -193,7 +193,9 @@ def check_resources(cfg, device) -> list[Check]:
                         "with the parameters only)"))
     free_shm = shm_free_bytes()
     if free_shm is not None:  # a full /dev/shm kills the peer with SIGBUS (Docker's default is 64 MiB)
-        need = shared_bytes(shape.parameters, weights_on_cpu=device.type == "cpu", peak=True)
+        # a CPU peer's weights, and the host copy rank 0 of an FSDP2 node keeps (peer/node_model.py), are shared
+        host_weights = device.type == "cpu" or cfg.node.parallel == "fsdp2"
+        need = shared_bytes(shape.parameters, weights_on_cpu=host_weights, peak=True)
         checks.append(_fits("shared memory", need, free_shm, f"free in {SHM_PATH}", shm_fix(need)))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -172,12 +172,14 @@ def _main(argv: Sequence[str] | None) -> int:
     display = ProgressDisplay.for_terminal(sys.stdout, log_file=cfg.run.log_file,
                                            tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len * ranks)
     if group is None:
-        try:  # on its device before session.start() forks the swarm's processes (see SwarmSession.start)
+        session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display],
+                               faults=faults or NO_FAULTS)
+        # On its device before session.start() forks the swarm's processes (see SwarmSession.start), and only
+        # after the session took its fp32 anchors from the weights as built (a bf16 cast first would round them).
+        try:
             place_model(model, cfg.inner)
         except ValueError as e:
             usage_error(PROG, str(e))
-        session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display],
-                               faults=faults or NO_FAULTS)
     else:
         try:
             node_model = NodeModel(model, cfg.node.parallel, group)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 EPOCH_LIMIT = 10**8
@@ -109,6 +109,12 @@ def state_verdict(donor: str, digest: str, votes: Mapping[str, str], trusted: fr
     return "the donor is not a trusted peer and no trusted peer published this checksum"
 
 
+MOVED_ON_PASSES = 3
+"""Failed downloads in a row after which a donor that keeps moving on mid-download is ignored like any other
+(``Evidence.unbacked``). An honest swarm a joiner cannot keep up with is better served by the catch-up path
+(``swarm.catchup``) than by a fourth try; an attacker gets three."""
+
+
 class Evidence:
     """One peer's trust ledger; see the module docstring.
 
@@ -130,6 +136,8 @@ class Evidence:
         self._unbacked: dict[str, float] = {}
         """peer id -> until when its (untrusted) claims are ignored."""
         self._strikes: dict[str, int] = {}
+        self._passes: dict[str, int] = {}
+        """Failed downloads in a row forgiven to each donor that moved on mid-download (``unbacked``)."""
         """peer id -> failed downloads its claims caused (doubles the next window)."""
 
     def trusts(self, peer: str) -> bool:
@@ -189,23 +197,34 @@ class Evidence:
     def adopted_from(self, donor: str) -> None:
         """This peer loaded ``donor``'s verified state: its lineage is ours now."""
         self.averaged_with([donor])
+        self._passes.clear()
 
-    def unbacked(self, claims: Sequence[Claim], min_epoch: int, served: Collection[str] = ()) -> dict[str, float]:
+    def unbacked(self, claims: Sequence[Claim], min_epoch: int, served: Mapping[str, int] | None = None,
+                 now: Sequence[Claim] = ()) -> dict[str, float]:
         """No acceptable state of ``min_epoch`` or newer could be downloaded: ignore the untrusted peers
-        claiming it for a while (see ``unbacked_s``). Trusted claims stay (their donors may be busy or cut
-        off: the round policy carries the work and tries again), and so do the claims of ``served``: donors
-        that delivered verified chunks of such a state before the download failed. They serve what they
-        claim; the usual cause is that they moved on to the next round's state mid-download, on a slow or
-        loaded joiner, and ignoring them then left the joiner training alone from its own state. Returns the
-        peers now ignored, with for how many seconds."""
-        now, (first, most) = self._clock(), self.unbacked_s
+        claiming it for a while (see ``unbacked_s``). Returns the peers now ignored, with for how many seconds.
+
+        Trusted claims stay (their donors may be busy or cut off: the round policy carries the work and tries
+        again). So does the claim of a donor in ``served`` (peer -> epoch of the state it delivered verified
+        chunks of before it stopped serving it) whose record in ``now`` (the records read after the download)
+        claims a later epoch: it stepped on to the next round's state mid-download, the usual fate of a slow
+        or loaded joiner, and ignoring it left the joiner training alone from its own state. A donor that
+        stopped without moving on gets its strike as any other, and so does one forgiven
+        ``MOVED_ON_PASSES`` times in a row (an attacker could serve a few chunks and raise its claim each time;
+        the count starts again once this peer loads a state)."""
+        now_epochs = {c.peer_id: c.epoch for c in now}
+        moved_on = {peer for peer, epoch in (served or {}).items()
+                    if now_epochs.get(peer, -1) > epoch and self._passes.get(peer, 0) < MOVED_ON_PASSES}
+        for peer in moved_on:
+            self._passes[peer] = self._passes.get(peer, 0) + 1
+        now_s, (first, most) = self._clock(), self.unbacked_s
         marked = {}
         for claim in claims:
             peer = claim.peer_id
-            if claim.epoch >= min_epoch and peer != self.me and not self.trusts(peer) and peer not in served:
+            if claim.epoch >= min_epoch and peer != self.me and not self.trusts(peer) and peer not in moved_on:
                 strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
                 marked[peer] = min(most, first * 2 ** min(strikes - 1, 30))
-                self._unbacked[peer] = now + marked[peer]
+                self._unbacked[peer] = now_s + marked[peer]
         return marked
 
     def forget(self, peer: str) -> None:

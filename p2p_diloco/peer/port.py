@@ -193,13 +193,16 @@ class SwarmPort:
         known = self.manifest
         self.withdraw()
         self._zeros = None
-        backed: set[str] = set()
+        backed: dict[str, int] = {}
         with self._network():
             state = self.swarm.download(self.state.anchors, min_epoch, timeout, trusted=self.trusted_or_none(),
                                         backed=backed)
         self.notify("state_transfer", "received", state is not None)
         if state is None:
-            ignored = self.evidence.unbacked(self.claims, min_epoch, served=backed)
+            claims = self.claims
+            if backed:
+                self.records()  # did the donors that stopped midway move on? (their records now say)
+            ignored = self.evidence.unbacked(claims, min_epoch, served=backed, now=self.claims)
             logger.warning("Could not download the swarm's state (epoch >= %d); keeping ours%s", min_epoch,
                            f"; ignoring the epoch claims of {len(ignored)} untrusted peer(s) for "
                            f"{min(ignored.values()):.0f} s or more" if ignored else "")

@@ -112,14 +112,16 @@ def tensor_manifest(tensors: Iterable[torch.Tensor]) -> TensorManifest:
     The bytes are those of a contiguous CPU copy, so the digest does not depend on strides, device or the
     process; two peers agree exactly when their tensors are bitwise equal (note: ``-0.0`` and ``0.0`` differ,
     and so do two NaNs with different payloads). Byte order is the machine's, little-endian on every platform
-    PyTorch supports. The chunks are hashed on ``HASH_THREADS`` threads; a list with tensors off the CPU or not
-    contiguous is copied to the CPU one tensor at a time instead, and hashed on this thread, so that no copy
-    of the whole list is ever held.
+    PyTorch supports. The chunks of a list or tuple of contiguous CPU tensors are hashed on ``HASH_THREADS``
+    threads. Anything else (tensors off the CPU or not contiguous; an iterator, e.g. one that gathers each
+    tensor of a sharded model in turn) is hashed on this thread a tensor at a time, taking each from
+    ``tensors`` only when the one before is done, so that no copy of the whole list is ever held.
     """
+    if not isinstance(tensors, (list, tuple)) or not all(
+            t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return _sequential_manifest(tensors)
     tensors = [t.detach() for t in tensors]
     layout = [(t.dtype, tuple(t.shape)) for t in tensors]
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
-        return _sequential_manifest(tensors, layout)
     # uint8 views: work for every dtype, bfloat16 included, which numpy cannot represent.
     views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors if t.numel()]
     if not views:
@@ -138,10 +140,13 @@ def tensor_manifest(tensors: Iterable[torch.Tensor]) -> TensorManifest:
     return TensorManifest(manifest_sha(layout, total, chunks), chunks)
 
 
-def _sequential_manifest(tensors: Sequence[torch.Tensor], layout: list) -> TensorManifest:
-    chunks, total = bytearray(), 0
+def _sequential_manifest(tensors: Iterable[torch.Tensor]) -> TensorManifest:
+    """The protocol's definition: one pass over the bytes, a tensor at a time (lazily from an iterator)."""
+    layout, chunks, total = [], bytearray(), 0
     current, filled = hashlib.sha256(), 0
     for tensor in tensors:
+        tensor = tensor.detach()
+        layout.append((tensor.dtype, tuple(tensor.shape)))
         flat = tensor.to("cpu").contiguous().reshape(-1)
         if not flat.numel():
             continue

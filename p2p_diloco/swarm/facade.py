@@ -198,7 +198,7 @@ class Swarm:
             return buffers
 
     def download(self, templates: Sequence[torch.Tensor], min_epoch: int, timeout: float | None = None,
-                 trusted: frozenset[str] | None = None, backed: set[str] | None = None) -> SwarmState | None:
+                 trusted: frozenset[str] | None = None, backed: dict[str, int] | None = None) -> SwarmState | None:
         """The swarm's verified state of ``min_epoch`` or newer (parameters and momentum), or None;
         ``trusted`` and ``backed`` as in ``state.download_state``."""
         # the momentum has the anchors' shapes and dtypes: the templates serve twice (only those are read)

@@ -70,6 +70,8 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 3
 """2: ``sha`` covers the outer momentum too (``checksum.state_sha256``). 3: served in chunks, with a manifest
 of chunk digests from which ``sha`` is computed."""
+INCOMPLETE = "download incomplete"
+"""How ``fetch_verified`` names a download whose donors stopped serving before every chunk came."""
 _PIN_S = 2.0
 """A donor that served a chunk this recently counts as serving a download (see ``StateServer.withdraw``)."""
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -358,16 +360,17 @@ def download_state(
     max_donors: int = 8,
     trusted: frozenset[str] | None = None,
     partial_dir: Path | None = None,
-    backed: set[str] | None = None,
+    backed: dict[str, int] | None = None,
 ) -> SwarmState | None:
     """Download and verify the swarm's state from up to ``max_donors`` donors within ``timeout`` seconds
     (default ``cfg.state_download_timeout_s``). ``min_epoch`` defaults to the swarm's global epoch.
     ``trusted``: the peers whose donors and checksums this peer trusts (``core.evidence``), or ``None`` when
     none of them is online (a newcomer). ``partial_dir``: where verified chunks are kept so that a download
     cut by a restart resumes (``swarm.partial``); ``None`` keeps nothing. ``backed``: filled with the donors
-    that delivered verified chunks of a state of ``min_epoch`` or newer, even when the download as a whole
-    failed: they serve what their records claim (typically they moved on to the next round's state
-    mid-download), so their claims are not unbacked (``core.evidence``).
+    that delivered verified chunks of a state of ``min_epoch`` or newer before they stopped serving it (the
+    download stayed incomplete; a bad chunk does not count), with that state's epoch. The caller believes
+    those whose records moved past that epoch meanwhile (``Evidence.unbacked``): they stepped on to the next
+    round's state mid-download.
 
     Every donor's manifest is read first (small) and checked against the digest it claims; the first
     acceptable digest in donor order (trusted donors first, then by epoch) is downloaded from every donor
@@ -423,8 +426,10 @@ def download_state(
             dest.extend(torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
                         for t in templates)
         problem, dropped, served = fetch_verified(averager, sources, meta, dest, chunks, partial_dir, deadline)
-        if backed is not None:
-            backed.update(p for p, count in served.items() if count > 0)
+        if backed is not None and problem is not None and problem.startswith(INCOMPLETE):
+            # only donors that stopped serving it midway: not one that sent a bad chunk
+            backed.update({p: meta["ep"] for p, count in served.items()
+                           if count > 0 and "failed its hash" not in dropped.get(p, "")})
         rejected.extend(f"{p}: {reason}" for p, reason in dropped.items())
         problem = problem or nonfinite(dest)
         if problem is not None:
@@ -495,7 +500,7 @@ def fetch_verified(averager: RoundAverager, sources: list[str], meta: dict, dest
         return f"download failed: {e}", {}, {}
     missing = chunks.count - len(result["done"])
     if missing:
-        return (f"download incomplete: {missing} of {chunks.count} chunks missing (kept the rest)", result["dropped"],
+        return (f"{INCOMPLETE}: {missing} of {chunks.count} chunks missing (kept the rest)", result["dropped"],
                 result["served"])
     if store is not None:
         store.remove()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from p2p_diloco.core.delayed import Contribution, StalenessPolicy, aggregate_round
-from p2p_diloco.core.evidence import EPOCH_LIMIT, Claim, Evidence, outvoted, state_verdict
+from p2p_diloco.core.evidence import EPOCH_LIMIT, MOVED_ON_PASSES, Claim, Evidence, outvoted, state_verdict
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.peer.faults import NO_FAULTS
@@ -138,8 +138,8 @@ class ScriptedSwarm:
     """What ``download_update`` returns (``swarm.catchup``)."""
     moves_on: dict[str, int] = field(default_factory=dict)
     """Claims that change while a download runs (the swarm moved on meanwhile)."""
-    served_chunks: set[str] = field(default_factory=set)
-    """Donors that delivered verified chunks of a download that then failed (``backed``)."""
+    served_chunks: dict[str, int] = field(default_factory=dict)
+    """Donors that delivered verified chunks of a download that then failed, with its epoch (``backed``)."""
     result: RoundResult | None = None
 
     def records(self) -> list[SimpleNamespace]:
@@ -212,17 +212,28 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
 
 
 def test_port_keeps_believing_donors_that_served_verified_chunks_of_a_failed_download() -> None:
-    # a and b served most of epoch 2's state, then stepped to epoch 3 before the joiner had every chunk
+    # a and b served part of epoch 2's state, then stepped to epoch 3 before the joiner had every chunk
     swarm = ScriptedSwarm(claims={"me": 0, "a": 2, "b": 2, "liar": 50}, moves_on={"a": 3, "b": 3},
-                          served_chunks={"a", "b"})
+                          served_chunks={"a": 2, "b": 2})
     port, _ = _port(swarm)
     assert port.observe(0).swarm_epoch == 50  # a newcomer cannot tell the liar yet
     assert not port.resync(2)
     # the liar, who served nothing, is ignored; a and b still pull this peer to their new epoch at once
     assert port.observe(0).swarm_epoch == 3
-    swarm.served_chunks = set()
-    assert not port.resync(3)  # now nobody served anything: every untrusted claim is ignored for a while
+    # a donor that served chunks but did not move on (it stopped, or lied) gets its strike
+    swarm.served_chunks, swarm.moves_on = {"a": 3, "b": 3}, {}
+    assert not port.resync(3)
     assert port.observe(0).swarm_epoch in (None, 0)
+
+
+def test_a_donor_that_keeps_moving_on_is_forgiven_three_times_in_a_row() -> None:
+    ev = Evidence("me", unbacked_s=(60.0, 600.0))
+    for epoch in range(1, 5):
+        claims, now = [Claim("a", epoch)], [Claim("a", epoch + 1)]
+        ignored = ev.unbacked(claims, epoch, served={"a": epoch}, now=now)
+        assert ("a" in ignored) == (epoch > MOVED_ON_PASSES), (epoch, ignored)
+    ev.adopted_from("b")  # a download succeeded: the count starts again
+    assert "a" not in ev.unbacked([Claim("a", 9)], 9, served={"a": 9}, now=[Claim("a", 10)])
 
 
 def test_left_behind_needs_every_believed_peer_past_the_epoch() -> None:

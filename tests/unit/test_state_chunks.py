@@ -239,8 +239,28 @@ def test_the_threaded_manifest_equals_the_one_pass_manifest(threads: int, monkey
     tensors = [torch.randn(CHUNK_BYTES // 4 + 3, generator=gen), torch.zeros(0), torch.randn(7, generator=gen),
                torch.randn(3 * CHUNK_BYTES // 8, generator=gen).to(torch.bfloat16),
                torch.randint(0, 9, (CHUNK_BYTES // 8 - 1,), generator=gen), torch.randn(1000, generator=gen)]
-    one_pass = checksum._sequential_manifest(tensors, [(t.dtype, tuple(t.shape)) for t in tensors])
+    one_pass = checksum._sequential_manifest(tensors)
     assert checksum.tensor_manifest(tensors) == one_pass
+    # an iterator is consumed a tensor at a time (a sharded model gathers each in turn): hashing starts
+    # before the second tensor is taken
+    taken: list[int] = []
+
+    def gathered():  # noqa: ANN202
+        for t in tensors:
+            taken.append(1)
+            yield t.clone()
+
+    seen_at_hash: list[int] = []
+    real_sha = checksum.hashlib.sha256
+
+    def watching_sha(*args):  # noqa: ANN002, ANN202
+        seen_at_hash.append(len(taken))
+        return real_sha(*args)
+
+    monkeypatch.setattr(checksum.hashlib, "sha256", watching_sha)
+    assert checksum.tensor_manifest(gathered()) == one_pass
+    monkeypatch.setattr(checksum.hashlib, "sha256", real_sha)
+    assert 1 in seen_at_hash, seen_at_hash  # drained first, every hash would see all 6 taken
     square = torch.randn(300, 300, generator=gen)  # not contiguous: hashed from a copy, on this thread
     assert checksum.tensor_manifest([*tensors, square.t()]) == checksum.tensor_manifest([*tensors, square.t().contiguous()])
     assert one_pass.count == -(-sum(t.numel() * t.element_size() for t in tensors) // CHUNK_BYTES)
