@@ -136,9 +136,9 @@ class Evidence:
         self._unbacked: dict[str, float] = {}
         """peer id -> until when its (untrusted) claims are ignored."""
         self._strikes: dict[str, int] = {}
-        self._passes: dict[str, int] = {}
-        """Failed downloads in a row forgiven to each donor that moved on mid-download (``unbacked``)."""
         """peer id -> failed downloads its claims caused (doubles the next window)."""
+        self._passes: dict[str, int] = {}
+        """peer id -> failed downloads in a row forgiven to it because it moved on mid-download (``unbacked``)."""
 
     def trusts(self, peer: str) -> bool:
         return peer in self.configured or peer in self.vouched

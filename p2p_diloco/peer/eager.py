@@ -102,7 +102,7 @@ class EagerOverlap:
             for dst, src in zip(shared, delta, strict=True):
                 dst.copy_(src.detach())
             fresh = shared
-        else:  # a round still holds the buffer (cannot happen when not busy; kept as the safe path)
+        else:  # still locked: a round whose host side gave up (its budget ran out) may still run in the process
             fresh = [t.detach().clone() for t in delta]
         stale_copy = [t.detach().clone() for t in stale] if stale is not None else None
         self._round = _Round(self.averager, epoch, (fresh, weight, staleness, epoch),

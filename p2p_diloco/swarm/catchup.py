@@ -35,9 +35,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap
 from p2p_diloco.swarm.checksum import combine_state_sha, manifest_sha
-from p2p_diloco.swarm.chunk_transfer import state_chunk_map
+from p2p_diloco.swarm.chunk_transfer import fetch_verified, state_chunk_map
 from p2p_diloco.swarm.records import SHA256_PATTERN
-from p2p_diloco.swarm.state import STATE_VERSION, fetch_verified, max_manifest_bytes, nonfinite
+from p2p_diloco.swarm.state import STATE_VERSION, max_manifest_bytes, nonfinite
 
 if TYPE_CHECKING:
     from p2p_diloco.swarm.averager import RoundAverager

@@ -54,6 +54,10 @@ PART_BYTES = 1 << 18
 DEPTH = 2
 """Chunk requests out per donor (``ChunkPlan.depth``)."""
 _GRACE_S = 10.0
+INCOMPLETE = "download incomplete"
+"""How :func:`fetch_verified` names a download whose donors stopped serving before every chunk came."""
+BAD_CHUNK = "failed its hash"
+"""How a donor dropped for a chunk that does not match the manifest is named."""
 
 
 def encode_request(sha: str | None, index: int) -> bytes:
@@ -265,7 +269,7 @@ class ChunkTransferMixin:
                     drop(peer, f"chunk {index} cut short: {len(data)} of {length} bytes")
                     return
                 if hashlib.sha256(data).digest() != digests[index * DIGEST_BYTES:(index + 1) * DIGEST_BYTES]:
-                    drop(peer, f"chunk {index} failed its hash")
+                    drop(peer, f"chunk {index} {BAD_CHUNK}")
                     return
                 if plan.received(peer, index):
                     write_chunk(views, chunks, index, data)
@@ -295,3 +299,39 @@ class ChunkTransferMixin:
             future.set_result(dict(done=sorted(plan.done), dropped=dict(plan.dropped), served=dict(plan.served)))
         except Exception as e:  # noqa: BLE001 - a plain RuntimeError survives the trip to the host
             future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
+
+
+def fetch_verified(averager: ChunkTransferMixin, sources: list[str], meta: dict, dest: list[torch.Tensor],
+                   chunks: ChunkMap, partial_dir: Path | None, deadline: float
+                   ) -> tuple[str | None, dict[str, str], dict[str, int]]:
+    """Fill ``dest`` with the state ``meta`` describes (a verified manifest, ``swarm.state``): chunks kept on
+    disk first, then from ``sources`` in parallel. Returns (what went wrong or ``None``, donors dropped with
+    their reasons, verified chunks each donor delivered; a donor that sent a bad chunk is left out of the
+    last)."""
+    digests = meta["pc"] + meta["mc"]
+    store = PartialStore(partial_dir, meta["sha"], chunks) if partial_dir is not None else None
+    have: set[int] = set()
+    if store is not None:
+        try:
+            store.prepare()
+        except OSError as e:
+            logger.warning("Cannot keep the state download on disk (%s): it will not resume after a restart", e)
+            store = None
+    if store is not None:
+        views = [t.reshape(-1).view(torch.uint8).numpy() for t in dest]
+        have = store.load(digests, lambda index, data: write_chunk(views, chunks, index, data))
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return "state_download_timeout_s ran out", {}, {}
+    try:
+        result = averager.fetch_chunks(sources, meta["sha"], dest, meta["np"], digests, have,
+                                       store.directory if store is not None else None, remaining)
+    except Exception as e:
+        return f"download failed: {e}", {}, {}
+    missing = chunks.count - len(result["done"])
+    served = {p: n for p, n in result["served"].items() if n > 0 and BAD_CHUNK not in result["dropped"].get(p, "")}
+    if missing:
+        return f"{INCOMPLETE}: {missing} of {chunks.count} chunks missing (kept the rest)", result["dropped"], served
+    if store is not None:
+        store.remove()
+    return None, result["dropped"], served

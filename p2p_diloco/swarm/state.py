@@ -58,8 +58,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap
 from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch, state_verdict
 from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, manifest_sha, tensor_manifest
-from p2p_diloco.swarm.chunk_transfer import state_chunk_map, write_chunk
-from p2p_diloco.swarm.partial import PartialStore
+from p2p_diloco.swarm.chunk_transfer import INCOMPLETE, fetch_verified, state_chunk_map
 from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_checksums, fetch_progress, global_epoch
 
 if TYPE_CHECKING:
@@ -70,8 +69,6 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 3
 """2: ``sha`` covers the outer momentum too (``checksum.state_sha256``). 3: served in chunks, with a manifest
 of chunk digests from which ``sha`` is computed."""
-INCOMPLETE = "download incomplete"
-"""How ``fetch_verified`` names a download whose donors stopped serving before every chunk came."""
 _PIN_S = 2.0
 """A donor that served a chunk this recently counts as serving a download (see ``StateServer.withdraw``)."""
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
@@ -427,9 +424,7 @@ def download_state(
                         for t in templates)
         problem, dropped, served = fetch_verified(averager, sources, meta, dest, chunks, partial_dir, deadline)
         if backed is not None and problem is not None and problem.startswith(INCOMPLETE):
-            # only donors that stopped serving it midway: not one that sent a bad chunk
-            backed.update({p: meta["ep"] for p, count in served.items()
-                           if count > 0 and "failed its hash" not in dropped.get(p, "")})
+            backed.update(dict.fromkeys(served, meta["ep"]))  # donors that stopped serving it midway
         rejected.extend(f"{p}: {reason}" for p, reason in dropped.items())
         problem = problem or nonfinite(dest)
         if problem is not None:
@@ -472,36 +467,3 @@ def download_state(
     logger.info("No acceptable state from %d donor(s)", len(donors))
     return None
 
-
-def fetch_verified(averager: RoundAverager, sources: list[str], meta: dict, dest: list[torch.Tensor], chunks: ChunkMap,
-           partial_dir: Path | None, deadline: float) -> tuple[str | None, dict[str, str], dict[str, int]]:
-    """Fill ``dest`` with the state ``meta`` describes: chunks kept on disk first, then from ``sources`` in
-    parallel. Returns (what went wrong or ``None``, donors dropped with their reasons, verified chunks each
-    donor delivered)."""
-    digests = meta["pc"] + meta["mc"]
-    store = PartialStore(partial_dir, meta["sha"], chunks) if partial_dir is not None else None
-    have: set[int] = set()
-    if store is not None:
-        try:
-            store.prepare()
-        except OSError as e:
-            logger.warning("Cannot keep the state download on disk (%s): it will not resume after a restart", e)
-            store = None
-    if store is not None:
-        views = [t.reshape(-1).view(torch.uint8).numpy() for t in dest]
-        have = store.load(digests, lambda index, data: write_chunk(views, chunks, index, data))
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        return "state_download_timeout_s ran out", {}, {}
-    try:
-        result = averager.fetch_chunks(sources, meta["sha"], dest, meta["np"], digests, have,
-                                       store.directory if store is not None else None, remaining)
-    except Exception as e:
-        return f"download failed: {e}", {}, {}
-    missing = chunks.count - len(result["done"])
-    if missing:
-        return (f"{INCOMPLETE}: {missing} of {chunks.count} chunks missing (kept the rest)", result["dropped"],
-                result["served"])
-    if store is not None:
-        store.remove()
-    return None, result["dropped"], result["served"]
