@@ -302,8 +302,11 @@ def _joiner_row(d: dict[str, Any]) -> str:
     before = d.get("rounds_before_contribution")
     rounds = d.get("swarm_round_s") or []
     round_s = f"{statistics.median(rounds):.0f}" if rounds else "-"
+    after = d.get("first_swarm_round_after_ready_s")
+    after_text = "-" if after is None or after != after else (
+        f"{after:.1f} ({'yes' if d.get('contributed_to_it') else 'no'})")
     return (f"| {d['rate_mbit']:g} | {bound:.1f} | {round_s} | {d['ready_s']:.1f} | {d['ready_s'] / bound:.2f} | "
-            f"{first_text} | {first_ratio} | {_met(met)} | {donors} | {d.get('caught_up', '-')} | "
+            f"{after_text} | {first_text} | {first_ratio} | {_met(met)} | {donors} | {d.get('caught_up', '-')} | "
             f"{'-' if before is None else before} | {', '.join(d.get('joiner_outcomes', []))} | "
             f"{d['hardware']['load_avg_1m']:.1f} |")
 
@@ -317,15 +320,23 @@ def joiner(d: dict[str, Any]) -> list[str]:
             f"{JOINER_TARGET}x the bound with 2 donors, and contributing within two rounds of the download when "
             "the download outlasts a round (1 Mbit/s). Times from the joiner's spawn: process start-up, DHT, state "
             "download, its first (shortened) inner phase and the all-reduce that carried its work.", "",
-            "| Mbit/s | bound (s) | swarm round (s, median) | spawn to ready (s) | / bound | spawn to first "
-            "contribution (s) | / bound | met | donors per download | missed rounds applied | joiner rounds "
-            "before contributing | joiner's rounds | load avg |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| Mbit/s | bound (s) | swarm round (s, median) | spawn to ready (s) | / bound | first swarm round "
+            "end after ready (s; the joiner's work in it) | spawn to first contribution (s) | / bound | met | "
+            "donors per download | missed rounds applied | joiner rounds before contributing | joiner's rounds | "
+            "load avg |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *[_joiner_row(r) for r in runs], "",
-            "A joiner (and any peer that downloaded the state) shortens its first inner phase by the download "
-            "time (`core.dylu.late_start_steps`), so it reaches the all-reduce with the others instead of one "
-            "download behind them every round. A joiner whose download outlasted a round applies that round's "
-            "update (`swarm.catchup`, counted under 'missed rounds applied') instead of downloading again."]
+            "A joiner (and any peer that downloaded the state) shortens its first inner phase "
+            "(`core.dylu.late_start_steps`): it reads how far the peers it believes are into the phase of the "
+            "epoch it loaded (`phase_s` of their progress records, `core.dylu.phase_elapsed_s`) and plans half of "
+            "the steps they have left, so it reaches the all-reduce with them instead of one download behind "
+            "them every round. A joiner whose download outlasted a round applies that round's update "
+            "(`swarm.catchup`, counted under 'missed rounds applied') instead of downloading again.", "",
+            "The earliest a joiner can contribute is the first round the swarm ends after it is ready; the "
+            "'first swarm round end after ready' column is that time, and whether the joiner's work was in it. "
+            "Spawn to first contribution is therefore spawn to ready plus the rest of the swarm's inner phase "
+            "at that moment, which the joiner does not choose: with rounds longer than the download, as here, "
+            "1.3x the bound is reached only when the joiner happens to arrive near a round's end."]
 
 
 def _time_to(curve: list, target: float) -> float | None:

@@ -270,6 +270,11 @@ def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> N
     log = (out / "joiner.out").read_text(errors="replace")
     synced = [r for r in rounds if r["outcome"] in ("averaged", "folded_late") and r["group_size"] >= 2]
     swarm_rounds = read_log(out / "peer1.jsonl")
+    # The first round the swarm ended after the joiner was ready: the earliest it could contribute in. The
+    # wait for it is the swarm's round length, not the joiner's doing; its work was in it when the joiner's
+    # first contribution ended within seconds of it (both log the same all-reduce).
+    after = next((r["time"] for r in swarm_rounds if start and r["time"] > start[0]["time"]), float("nan"))
+    first_abs = synced[0]["time"] if synced else float("nan")
     save(name, dict(rate_mbit=rate, local_steps=steps, state_bytes=state_bytes, bound_s=bound, how=start[0]["how"] if start else "",
                     ready_s=ready, fresh_startup_s=fresh_ready, first_contribution_s=first,
                     transfer_s=ready - statistics.median(fresh_ready), codes=codes,
@@ -278,6 +283,8 @@ def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> N
                     rounds_before_contribution=rounds.index(synced[0]) if synced else None,
                     donors_used=[int(n) for n in re.findall(r"Loaded state of epoch \d+ from (\d+) donor", log)],
                     caught_up=log.count("Applied the round of epoch"),
+                    first_swarm_round_after_ready_s=after - join_spawned,
+                    contributed_to_it=bool(abs(first_abs - after) < 15.0),
                     swarm_round_s=[b["time"] - a["time"] for a, b in itertools.pairwise(swarm_rounds)]))
 
 
@@ -382,8 +389,14 @@ def _allreduce_profile() -> None:
     bench_allreduce_profile()
 
 
+def _p2p_mesh() -> None:
+    from benchmarks.p2p_mesh import bench_p2p_mesh  # imports this module
+
+    bench_p2p_mesh()
+
+
 # Diagnostics: run by name only, not by "all" (they explain a benchmark's number rather than add one).
-DIAGNOSTICS = dict(allreduce_profile=_allreduce_profile)
+DIAGNOSTICS = dict(allreduce_profile=_allreduce_profile, p2p_mesh=_p2p_mesh)
 
 
 def main(argv: list[str] | None = None) -> int:

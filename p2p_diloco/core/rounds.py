@@ -99,6 +99,9 @@ class RoundResult:
     """Their ids (base58), as far as they are known."""
     formed_early: bool = False
     """This peer led the group and formed it before its window ended: every due peer had joined."""
+    stepped_back: bool = False
+    """This peer was alone when its first window ended and let the next due peer to arrive lead
+    (``swarm.quorum.EarlyAssembly``): its wait measured how early it was, not how spread the arrivals were."""
     due_arrival_s: float | None = None
     """This peer led the group: seconds from the start of its search until the last due peer that did come
     joined it (``None`` when it followed, or no due peer joined). In a round that cut due peers this is the
@@ -313,6 +316,8 @@ class RoundReport:
     """Due peers the round's group left out."""
     formed_early: bool = False
     """This peer led the group and formed it before the window ended, every due peer having joined."""
+    stepped_back: bool = False
+    """This peer arrived early, alone when its window ended, and followed the next due peer instead of leading."""
     window_s: float = 0.0
     """The matchmaking window the round used, learned from arrivals within ``--matchmaking-time-s``."""
     allreduce_deadline_s: float = 0.0
@@ -348,7 +353,7 @@ class RoundReport:
         self.staleness = list(result.stalenesses)
         self.allreduce_seconds, self.wait_seconds = result.allreduce_seconds, result.wait_seconds
         self.due_members, self.cut_members = result.due_members, result.cut_members
-        self.formed_early = result.formed_early
+        self.formed_early, self.stepped_back = result.formed_early, result.stepped_back
         self.window_s, self.allreduce_deadline_s = result.window_s, result.allreduce_deadline_s
         self.bytes_sent, self.bytes_received = result.bytes_sent, result.bytes_received
         if rejected:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from p2p_diloco.core.delayed import RoundAggregate, apply_round
+from p2p_diloco.core.dylu import phase_elapsed_s
 from p2p_diloco.core.evidence import Claim, Evidence, outvoted, state_verdict
 from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX, OuterOptimizer
 from p2p_diloco.core.peer_state import OuterState
@@ -54,7 +55,8 @@ class SwarmPort:
         self.peers_visible = 0
         self.last_seen_others: float | None = None
         self.late_start_s = 0.0
-        """Seconds the last state download took (the next phase is shortened by that much; see DyLU)."""
+        """How far the swarm was into its inner phase when this peer last loaded its state (the next phase is
+        shortened by that much; ``core.dylu.late_start_steps``)."""
         self.manifest: TensorManifest | None = None
         """The anchors' manifest as served now (None while they change): hashed once per new state."""
         self.state_sha: str | None = None
@@ -230,9 +232,19 @@ class SwarmPort:
         state.params, state.opt_tensors = [], []  # the downloaded copy goes now, not when resync returns
         self.state.begin(self.params)
         self.serve(checksum=False, manifest=manifest)
-        self.late_start_s = time.monotonic() - began
+        self.late_start_s = self._phase_elapsed(epoch, downloaded_s=time.monotonic() - began)
         logger.info("Synchronised to epoch %d from %s", epoch, state.donor)
         return True
+
+    def _phase_elapsed(self, epoch: int, downloaded_s: float) -> float:
+        """How far the believed peers are into the inner phase of ``epoch`` (``core.dylu.phase_elapsed_s``
+        of their records, read now), or ``downloaded_s`` when none of them says."""
+        with self._network():
+            records = self.records()
+        believed = {c.peer_id for c in self.evidence.believed(self.claims)} - {self.swarm.peer_id}
+        elapsed = phase_elapsed_s((r.phase_s, r.age_s()) for r in records
+                                  if r.epoch == epoch and r.peer_id in believed and not r.client_mode)
+        return downloaded_s if elapsed is None else elapsed
 
     def _apply_missed_round(self, state: SwarmState, began: float,
                             timeout: float | None) -> TensorManifest | None | bool:

@@ -107,6 +107,7 @@ class SwarmSession:
         self._stream: DataStream | None = None
         self._last_progress = 0.0
         self._last_rates = (0.0, 0.0, 0.0)
+        self._phase_began: float | None = None  # monotonic start of the inner phase under way, if one is
 
     # ------------------------------------------------------------------ state
 
@@ -285,6 +286,7 @@ class SwarmSession:
         self.swarm.check_alive()
         self.driver.begin()
         self.faults.set_epoch(self.epoch)
+        self._phase_began = time.monotonic()
         self.port.notify("status", "training", self.epoch)
 
     def on_inner_step(self, step: int, loss: float) -> None:
@@ -298,6 +300,7 @@ class SwarmSession:
     def end_round(self, stats: InnerStats) -> RoundReport:
         """Average this phase's work with the swarm and apply the outer step (see the round policy)."""
         self.rounds_done += 1
+        self._phase_began = None  # the record published after the outer step names the next epoch: phase 0
         if stats.steps and stats.seconds > 0:
             self.my_speed = stats.steps_per_second
             self.dylu.observe(self.peer_id, self.my_speed)
@@ -315,5 +318,6 @@ class SwarmSession:
 
     def _publish_progress(self) -> None:
         rates = tuple(x if math.isfinite(x) else 0.0 for x in self._last_rates)
-        self.swarm.publish_progress(epoch=self.epoch, inner_step=self.inner_step, rates=rates)
+        phase_s = 0.0 if self._phase_began is None else time.monotonic() - self._phase_began
+        self.swarm.publish_progress(epoch=self.epoch, inner_step=self.inner_step, rates=rates, phase_s=phase_s)
         self._last_progress = time.monotonic()

@@ -262,7 +262,8 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             due_members=result.due_members,
             cut=result.cut_peers,
             members=result.contributors,
-            wait_s=result.wait_seconds,
+            # an early peer that stepped back waited for the others to arrive: no sample of their spread
+            wait_s=float("nan") if result.stepped_back else result.wait_seconds,
             due_arrival_s=result.due_arrival_s,
             allreduce_s=result.allreduce_seconds if result.averaged else None,
             allreduce_timed_out=result.timed_out,

@@ -137,14 +137,16 @@ class Swarm:
         """Rejected DHT records by kind and record bans since the last call."""
         return self.audit.take_report()
 
-    def publish_progress(self, *, epoch: int, inner_step: int, rates: tuple[float, float, float]) -> None:
+    def publish_progress(self, *, epoch: int, inner_step: int, rates: tuple[float, float, float],
+                         phase_s: float = 0.0) -> None:
         """Publish this peer's progress in the background (``dht_writer``): returns at once, a newer call
-        replaces one the DHT has not taken yet."""
+        replaces one the DHT has not taken yet. ``phase_s``: seconds into the inner phase of ``epoch``."""
         steps_s, samples_s, tokens_s = rates
         dht, run_id, fingerprint, cfg = self.dht, self.cfg.run_id, self.fingerprint, self.cfg
         self._writer.submit("progress", lambda: publish_progress(
             dht, run_id, epoch=epoch, inner_step=inner_step, steps_per_s=steps_s, samples_per_s=samples_s,
-            tokens_per_s=tokens_s, fingerprint=fingerprint, client_mode=cfg.client_mode, ttl_s=cfg.progress_ttl_s))
+            tokens_per_s=tokens_s, fingerprint=fingerprint, client_mode=cfg.client_mode, ttl_s=cfg.progress_ttl_s,
+            phase_s=phase_s))
 
     def flush_publications(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until what was published reached the DHT (or failed); whether it did."""

@@ -35,11 +35,15 @@ Why this cannot be abused:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +67,30 @@ class Formed:
     due_arrival_s: float | None = None
     """This peer leading: seconds from the start of the search until the last due peer among its followers
     joined (``RoundResult.due_arrival_s``)."""
+    stepped_back: bool = False
+    """This peer was alone when its first window ended and let the next due peer lead (``EarlyAssembly``)."""
+
+
+STEP_BACK_LEAD_S = 0.5
+"""A leader still alone this long before its first window ends steps back (:class:`EarlyAssembly`): hivemind
+re-declares it when that window ends, with the scheduled time as it stands then."""
 
 
 class EarlyAssembly:
     """Ends a leader's matchmaking window once every due peer has joined; see the module docstring.
+
+    **A peer that arrives early steps back.** hivemind's leader forms its group when its declared window
+    ends, and a leader still alone then declares again for ``min_matchmaking_time`` (our window's floor), over
+    and over. So a peer that arrived well before the others (a joiner that planned a short first phase, a
+    peer whose speed estimate was off) led with a window that restarts every few seconds: the first due peer
+    to join it was grouped within those seconds, and a due peer one second behind that was cut and had to
+    download the state (measured: a joiner 20 s early led; peer 2 joined it and the group formed 1 s before
+    peer 1 arrived). Now a leader still alone just before its first window ends moves its scheduled time to
+    the end of its search, so that its next declaration is later than any newcomer's. hivemind lets a peer
+    join only leaders declared to end before it, so the early peer becomes a follower of the next due peer
+    to arrive, and the group's window counts from that peer's arrival, as for peers that arrive together.
+    A peer that stepped back and still ends up leading (everyone arrived early and alone) forms its group
+    one window after the first follower joined, or at once when every due peer is in.
 
     :param min_group_size: the averager's ``min_group_size``; a smaller group is never formed early.
     """
@@ -80,36 +104,70 @@ class EarlyAssembly:
         if self._joined is not None:
             self._joined.set()
 
-    async def watch(self, matchmaking: Any, me: str, due: Collection[str], formed: Formed) -> None:
+    async def watch(self, matchmaking: Any, me: str, due: Collection[str], formed: Formed,
+                    step: Any = None) -> None:
         """Run beside ``matchmaking.look_for_group``; cancel it when the search ends. ``me`` is this peer's
-        base58 id, ``due`` the verified due peers (``due_peers``)."""
+        base58 id, ``due`` the verified due peers (``due_peers``), ``step`` the round's hivemind
+        ``StepControl`` (its ``scheduled_time`` is the end of the first window; without it no stepping back)."""
         due = frozenset(due) | {me}
         formed.due = len(due)
         if len(due) < self.min_group_size:
             return  # nobody else is known to be due: the window decides, as it always did
         began, arrived = time.monotonic(), set()
+        first_window_end = step.scheduled_time if step is not None else None
+        window_s = max(0.0, first_window_end - get_dht_time()) if first_window_end is not None else 0.0
+        viable_since: float | None = None  # stepped back, leading, and the group became big enough then
         joined = self._joined = self._joined or asyncio.Event()
         while True:
-            await joined.wait()
+            if first_window_end is not None:
+                wake: float | None = first_window_end - STEP_BACK_LEAD_S - get_dht_time()
+            elif viable_since is not None:
+                wake = viable_since + window_s - time.monotonic()
+            else:
+                wake = None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(joined.wait(), None if wake is None else max(0.0, wake))
             joined.clear()
             async with matchmaking.lock_request_join_group:
                 if not matchmaking.is_looking_for_group or matchmaking.assembled_group.done():
                     return
-                if matchmaking.current_leader is not None:
-                    continue  # we follow another leader now: it decides
+                following = matchmaking.current_leader is not None
                 members = {peer.to_base58() for peer in matchmaking.current_followers} | {me}
+                if first_window_end is not None:
+                    if following or len(members) > 1:
+                        first_window_end = None  # not alone: the window ends the wait, as it always did
+                    elif get_dht_time() >= first_window_end - STEP_BACK_LEAD_S:
+                        self._step_back(step, len(due - members))
+                        formed.stepped_back, first_window_end = True, None
+                if following:
+                    continue  # we follow another leader now: it decides
                 came = (members & due) - {me}
                 if came - arrived:
                     formed.due_arrival_s = time.monotonic() - began
                     arrived |= came
-                if not due <= members or len(members) < self.min_group_size:
+                if len(members) < self.min_group_size:
                     continue
-                logger.info("Every due peer joined after %.2f s: forming the group of %d now",
+                if formed.stepped_back and viable_since is None:
+                    viable_since = time.monotonic()
+                complete = due <= members
+                overdue = viable_since is not None and time.monotonic() >= viable_since + window_s
+                if not (complete or overdue):
+                    continue
+                logger.info("%s after %.2f s: forming the group of %d now",
+                            "Every due peer joined" if complete else "A window passed since the group could form",
                             time.monotonic() - began, len(members))
                 try:
                     await matchmaking.leader_assemble_group()
                 except Exception as e:  # noqa: BLE001 - the window then decides, as it always did
-                    logger.warning("Could not form the group early: %r", e)
+                    logger.warning("Could not form the group: %r", e)
                     return
-                formed.early = True
+                formed.early = complete
                 return
+
+    @staticmethod
+    def _step_back(step: Any, missing: int) -> None:
+        """Declare until the end of the search from the next declaration on (class docstring)."""
+        deadline = step.deadline if step.deadline is not None and math.isfinite(step.deadline) else None
+        step.scheduled_time = (deadline if deadline is not None else get_dht_time() + 3600.0) - 1e-3
+        logger.info("Alone as the window ends while %d due peer(s) train on: following the next one to arrive "
+                    "instead of leading", missing)

@@ -73,6 +73,7 @@ class ProgressRecord(BaseModel):
     fingerprint: constr(regex=FINGERPRINT_REGEX, strict=True)  # type: ignore[valid-type]
     time: confloat(ge=0.0, le=1e11, strict=True)  # type: ignore[valid-type]
     client_mode: StrictBool
+    phase_s: confloat(ge=0.0, le=1e7, strict=True)  # type: ignore[valid-type]
 
 
 class ProgressSchema(BaseModel):
@@ -95,6 +96,14 @@ class PeerProgress:
     time: float
     client_mode: bool
     expiration_time: float
+    phase_s: float = 0.0
+    """Seconds the peer had spent in the inner phase of ``epoch`` when it wrote the record (0: not training
+    yet). A claim like every other field: ``core.dylu.phase_elapsed_s`` says how a joiner uses it."""
+
+    def age_s(self) -> float:
+        """Seconds since the record was written, by this machine's DHT clock against the writer's claimed
+        ``time`` (negative when the writer's clock runs ahead)."""
+        return get_dht_time() - self.time
 
 
 def progress_key(run_id: str) -> str:
@@ -137,11 +146,13 @@ def publish_progress(
     fingerprint: str,
     client_mode: bool = False,
     ttl_s: float = 120.0,
+    phase_s: float = 0.0,
 ) -> bool:
     """Store this peer's progress for ``ttl_s`` seconds; returns whether the DHT accepted it.
 
     Republish well before ``ttl_s`` runs out (every step or every ``ttl_s / 2``): the record is this peer's
-    presence in the swarm's view. ``steps_per_s`` is what DyLU compares between peers.
+    presence in the swarm's view. ``steps_per_s`` is what DyLU compares between peers; ``phase_s`` (seconds
+    into the inner phase of ``epoch``) is how far a joiner that downloads this epoch's state is behind.
     """
     now = get_dht_time()
     record = ProgressRecord(
@@ -153,8 +164,9 @@ def publish_progress(
         fingerprint=str(fingerprint),
         time=float(now),
         client_mode=bool(client_mode),
+        phase_s=float(phase_s),
     )
-    if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s):
+    if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s, record.phase_s):
         raise ValueError("progress rates must be finite")
     return _store(dht, progress_key(run_id), record.dict(), now + ttl_s)
 
@@ -198,7 +210,7 @@ def _parse_progress(subkey: Any, entry: Any, now: float) -> PeerProgress | Rejec
         return Rejection("malformed", peer_id, f"schema mismatch ({problems})"[:400])
     if record.dict() != value:
         return Rejection("malformed", peer_id, "value needed type conversions")
-    if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s, record.time):
+    if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s, record.time, record.phase_s):
         return Rejection("malformed", peer_id, "non-finite number")
     return PeerProgress(peer_id=peer_id, expiration_time=float(entry.expiration_time), **record.dict())
 

@@ -97,7 +97,8 @@ class RoundProcessMixin:
             step.stage = AveragingStage.LOOKING_FOR_GROUP
             formed = Formed()
             matchmaking = asyncio.create_task(self._matchmaking.look_for_group(step))
-            early = asyncio.create_task(self._early.watch(self._matchmaking, self.peer_id.to_base58(), due, formed))
+            early = asyncio.create_task(self._early.watch(self._matchmaking, self.peer_id.to_base58(), due, formed,
+                                                          step))
             cancelled = asyncio.create_task(step.wait_for_cancel())
             try:
                 await asyncio.wait({matchmaking, cancelled}, return_when=asyncio.FIRST_COMPLETED)
@@ -135,6 +136,7 @@ class RoundProcessMixin:
                     result.timed_out = True
             result.wait_seconds = waited
             result.due_members, result.formed_early = formed.due, formed.early
+            result.stepped_back = formed.stepped_back
             result.due_arrival_s = formed.due_arrival_s
             if formed.due:
                 result.cut_peers = tuple(sorted((set(due) | {self.peer_id.to_base58()}) - members))

@@ -161,7 +161,7 @@ def test_guard_judges_signature_owner_size_and_schema() -> None:
     assert guard.merge_with(RecordGuard(schemas=[schema], signed_keys=[progress_key(run)]))
     assert guard.merge_with(RSASignatureValidator(other_key))  # one signature validator per node: ignored
     good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                fingerprint="abcdef01", time=now, client_mode=False)  # fmt: skip
+                fingerprint="abcdef01", time=now, client_mode=False, phase_s=0.0)  # fmt: skip
     pk, ck = progress_key(run), checksum_key(run, 1)
     valid = _signed(other_key, pk, theirs, good, now + 60)
     assert guard.judge(valid) is None and guard.judge(_signed(key, ck, mine, "a" * 64, now + 60)) is None
@@ -235,7 +235,7 @@ def test_records_are_signed_and_what_slips_through_is_dropped_counted_and_banned
         assert publish_progress(dht, run, epoch=3, **rates)
         assert publish_progress(relay, run, epoch=50, ttl_s=6.0, **rates)
         now = get_dht_time()
-        good = dict(rates, epoch=9, inner_step=1, time=now, client_mode=False)
+        good = dict(rates, epoch=9, inner_step=1, time=now, client_mode=False, phase_s=0.0)
         # What a node without the run's schema keeps and passes on: records under bare peer ids, unsigned.
         junk = {
             FAKE_IDS[0]: good,

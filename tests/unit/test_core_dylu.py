@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from p2p_diloco.core.dylu import DyLU, late_start_steps
+from p2p_diloco.core.dylu import DyLU, late_start_steps, phase_elapsed_s
 
 
 class FakeClock:
@@ -102,11 +102,20 @@ def test_validation(kwargs: dict[str, float]) -> None:
         DyLU(**kwargs)  # type: ignore[arg-type]
 
 
-def test_late_start_drops_the_steps_the_download_took() -> None:
-    assert late_start_steps(100, 4.0, 5.0, 10) == 80  # 4 s late at 5 steps/s: 20 steps fewer
-    assert late_start_steps(100, 4.9, 5.0, 10) == 76  # whole steps only, rounded towards more work
+def test_late_start_plans_half_of_what_the_swarm_has_left() -> None:
+    assert late_start_steps(100, 4.0, 5.0, 10) == 40  # 4 s late at 5 steps/s: 80 left, half of them
+    assert late_start_steps(100, 4.0, 5.0, 10, aim=1.0) == 80
+    assert late_start_steps(100, 4.9, 5.0, 10, aim=1.0) == 75  # whole steps only, rounded towards arriving early
     assert late_start_steps(100, 60.0, 5.0, 10) == 10  # never below min_steps
     for speed in (None, 0.0, -1.0, float("nan"), float("inf")):
         assert late_start_steps(100, 4.0, speed, 10) == 100  # no usable speed: unchanged
     assert late_start_steps(100, 0.0, 5.0, 10) == 100
     assert late_start_steps(100, float("nan"), 5.0, 10) == 100
+
+
+def test_phase_elapsed_is_the_median_of_the_records_within_bounds() -> None:
+    assert phase_elapsed_s([]) is None
+    assert phase_elapsed_s([(10.0, 2.0)]) == 12.0
+    assert phase_elapsed_s([(10.0, 2.0), (11.0, 1.0), (1e6, 0.0)]) == 12.0  # one liar among three moves nothing
+    assert phase_elapsed_s([(10.0, -5.0), (10.0, 1e9)], max_age_s=20.0) == 20.0  # ages clamped to [0, 20]
+    assert phase_elapsed_s([(float("nan"), 1.0), (-1.0, 1.0), (3.0, float("inf"))]) is None

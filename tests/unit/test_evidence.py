@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from p2p_diloco.core.delayed import Contribution, StalenessPolicy, aggregate_round
+from p2p_diloco.core.dylu import PHASE_RECORD_MAX_AGE_S
 from p2p_diloco.core.evidence import EPOCH_LIMIT, MOVED_ON_PASSES, Claim, Evidence, outvoted, state_verdict
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import Outcome, RoundResult
@@ -79,7 +80,7 @@ def test_epochs_past_the_limit_are_never_believed_nor_loaded() -> None:
     with pytest.raises(ValueError, match="epoch must be an integer within"):
         state.load_state_tensors(state.state_tensors(), EPOCH_LIMIT + 1)
     record = dict(epoch=EPOCH_LIMIT + 1, inner_step=0, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                  fingerprint="abcdef01", time=1.0, client_mode=False)
+                  fingerprint="abcdef01", time=1.0, client_mode=False, phase_s=0.0)
     with pytest.raises(ValueError):
         ProgressRecord.parse_obj(record)
     # An epoch at the limit still leaves the wire format (10**9) all the headroom a run could use.
@@ -140,10 +141,14 @@ class ScriptedSwarm:
     """Claims that change while a download runs (the swarm moved on meanwhile)."""
     served_chunks: dict[str, int] = field(default_factory=dict)
     """Donors that delivered verified chunks of a download that then failed, with its epoch (``backed``)."""
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """``(phase_s, age_s)`` of a peer's record: how far into its inner phase it was, how long ago."""
     result: RoundResult | None = None
 
     def records(self) -> list[SimpleNamespace]:
-        return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0))
+        return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0),
+                                phase_s=self.phases.get(p, (0.0, 0.0))[0],
+                                age_s=lambda p=p: self.phases.get(p, (0.0, 0.0))[1])
                 for p, e in self.claims.items()]
 
     def checksum_votes(self, epoch: int) -> dict[str, str]:
@@ -209,6 +214,32 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
                                   params_manifest=tensor_manifest([torch.ones(4)]))
     assert port.resync(4)
     assert swarm.downloads[-1] == (4, frozenset({"a", "b"}))
+
+
+def test_port_times_a_joiners_first_phase_by_how_far_the_swarm_is_into_its_own() -> None:
+    def state() -> SimpleNamespace:  # a load takes the downloaded tensors: one state per download
+        return SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a",
+                               params_sha256=params_sha256([torch.ones(4)]),
+                               params_manifest=tensor_manifest([torch.ones(4)]))
+
+    swarm = ScriptedSwarm(claims={"me": 0, "a": 4, "b": 4, "old": 3}, donor=[state(), state(), state(), state()],
+                          phases={"a": (30.0, 2.0), "b": (28.0, 5.0), "old": (500.0, 1.0), "me": (900.0, 0.0)})
+    port, _ = _port(swarm)
+    assert port.resync(4)
+    # this peer now trusts its donor a alone, 32 s into epoch 4's phase: b, a stranger, is not believed
+    assert port.late_start_s == pytest.approx(32.0)
+    port.evidence.averaged_with(["b"])
+    assert port.resync(4)
+    # a and b, 32 s and 33 s into the phase; a peer at another epoch and this one do not count
+    assert port.late_start_s == pytest.approx(32.5)
+    # ages count within [0, PHASE_RECORD_MAX_AGE_S]: a writer's clock cannot put the phase an hour back
+    swarm.phases = {"a": (10.0, 3600.0), "b": (10.0, -50.0)}
+    assert port.resync(4)
+    assert port.late_start_s == pytest.approx((10.0 + PHASE_RECORD_MAX_AGE_S + 10.0) / 2)
+    # no peer at the loaded epoch says: the download's own time (here next to nothing)
+    swarm.claims = {"me": 0, "old": 3}
+    assert port.resync(4)
+    assert 0.0 <= port.late_start_s < 5.0
 
 
 def test_port_keeps_believing_donors_that_served_verified_chunks_of_a_failed_download() -> None:

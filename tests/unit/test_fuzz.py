@@ -165,11 +165,11 @@ def _rejected_or(parsed: object, kind: type) -> bool:
 @FUZZ
 @given(subkey=values, value=values, expiration=st.one_of(st.floats(allow_nan=True), st.integers(), st.none()),
        mutate=st.dictionaries(st.sampled_from(["epoch", "inner_step", "steps_per_s", "time", "fingerprint",
-                                               "client_mode", "x"]), values, max_size=2))
+                                               "client_mode", "phase_s", "x"]), values, max_size=2))
 def test_progress_records_parse_or_give_a_reason(subkey: object, value: object, expiration: object,
                                                  mutate: dict) -> None:
     good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                fingerprint=FINGERPRINT, time=1.0, client_mode=False)
+                fingerprint=FINGERPRINT, time=1.0, client_mode=False, phase_s=0.0)
     record = {**good, **mutate} if mutate else value
     for key in (subkey, PEER, SIGNED, SIGNED[:-2] + b"A]", PEER.encode() + SIGNED[len(KEY_PEER.to_base58()):]):
         parsed = _parse_progress(key, ValueWithExpiration(record, expiration), now=0.0)
@@ -264,7 +264,7 @@ def test_records_expiring_past_a_day_are_junk_and_attributed() -> None:
     from p2p_diloco.swarm.records import MAX_RECORD_TTL_S
 
     good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                fingerprint=FINGERPRINT, time=1.0, client_mode=False)
+                fingerprint=FINGERPRINT, time=1.0, client_mode=False, phase_s=0.0)
     assert isinstance(_parse_progress(SIGNED, ValueWithExpiration(good, 86400.0), now=0.0), PeerProgress)
     for parse, value in ((_parse_progress, good), (_parse_checksum, "a" * 64)):
         far = parse(SIGNED, ValueWithExpiration(value, MAX_RECORD_TTL_S + 1.0), now=0.0)

@@ -137,3 +137,14 @@ def test_the_swarm_layer_uses_no_other_hivemind_private_name() -> None:
             used.setdefault(name, path.name)
     unnamed = {n: f for n, f in used.items() if n in theirs and n not in named and n not in ours_defined}
     assert not unnamed, f"hivemind private names used but not listed in this tripwire: {unnamed}"
+
+
+def test_a_peer_that_steps_back_declares_late_and_so_follows() -> None:
+    """``swarm/quorum.py`` (``EarlyAssembly._step_back``) relies on two behaviours, not names: hivemind declares
+    a searching peer until its step's ``scheduled_time`` (read again at every declaration), and a leader
+    admits only followers whose declaration ends no earlier than its own."""
+    declare = inspect.getsource(PotentialLeaders._declare_averager_periodically)
+    assert "step.scheduled_time" in declare, "declarations no longer follow StepControl.scheduled_time"
+    admit = inspect.getsource(Matchmaking._check_reasons_to_reject)
+    assert re.search(r"declared_expiration_time\s*>\s*\(?request\.expiration", admit), (
+        "leaders no longer turn away followers whose declaration ends before theirs")

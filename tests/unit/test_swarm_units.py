@@ -417,3 +417,50 @@ def test_early_assembly_records_when_the_last_due_peer_that_came_joined() -> Non
     # b joined third, at 0.6 s or later (after a, and a stranger who is not due and does not count)
     assert cut.due_arrival_s is not None and cut.due_arrival_s >= 0.6, cut
     assert whole.early and whole.due_arrival_s is not None
+
+
+class _Step:
+    """The parts of hivemind's ``StepControl`` that ``EarlyAssembly.watch`` reads and writes."""
+
+    def __init__(self, window_s: float, search_s: float) -> None:
+        from hivemind.utils import get_dht_time
+
+        self.scheduled_time = get_dht_time() + window_s
+        self.deadline = get_dht_time() + search_s
+
+
+def test_a_peer_alone_when_its_first_window_ends_lets_the_next_due_peer_lead() -> None:
+    import asyncio
+
+    from p2p_diloco.swarm.quorum import STEP_BACK_LEAD_S, EarlyAssembly, Formed
+
+    async def scenario() -> tuple[Formed, _Step, bool, bool, Formed, _Step]:
+        # Early and alone: just before its first window (0.8 s) ends it moves its scheduled time to the end of
+        # its search, so that hivemind's next declaration ends later than any newcomer's.
+        mm, early, formed, step = _Matchmaking(), EarlyAssembly(min_group_size=2), Formed(), _Step(0.8, 30.0)
+        watch = asyncio.create_task(early.watch(mm, "me", {"a", "b"}, formed, step))
+        await asyncio.sleep(0.8 - STEP_BACK_LEAD_S + 0.2)
+        stepped = formed.stepped_back
+        # Still leading (everyone else arrived alone too): a follows; b, due, does not come. The group forms one
+        # window after it could, not at the next of hivemind's short re-declarations, and not never.
+        mm.current_followers[_Peer("a")] = None
+        early.follower_joined()
+        await asyncio.sleep(0.1)
+        formed_at_once = mm.assembled_group.done()
+        await asyncio.wait_for(watch, 5)
+        # Joined within the first window: the window decides, as before; nothing is moved.
+        mm2, early2, formed2, step2 = _Matchmaking(), EarlyAssembly(min_group_size=2), Formed(), _Step(0.8, 30.0)
+        watch2 = asyncio.create_task(early2.watch(mm2, "me", {"a", "b"}, formed2, step2))
+        await asyncio.sleep(0.05)
+        mm2.current_followers[_Peer("a")] = None
+        early2.follower_joined()
+        await asyncio.sleep(1.0)
+        watch2.cancel()
+        return formed, step, stepped, formed_at_once, formed2, step2
+
+    formed, step, stepped, formed_at_once, formed2, step2 = asyncio.run(scenario())
+    assert stepped and formed.stepped_back
+    assert step.scheduled_time == pytest.approx(step.deadline - 1e-3)
+    assert not formed_at_once  # it waits for b, a window (0.8 s) after a joined ...
+    assert not formed.early  # ... then forms without it  # b was cut: a window passed, not every due peer came
+    assert not formed2.stepped_back and step2.scheduled_time < step2.deadline - 20
