@@ -19,7 +19,9 @@ uplink carries ``2 (N - 1) / N x S``, as in the all-reduce.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,10 +53,12 @@ async def _probe(me: str, boot: str, out: Path, index: int, n: int, nbytes: int,
             yield message
         await draining
 
-    p2p = await P2P.create(initial_peers=[boot], host_maddrs=[f"/ip4/{me}/tcp/0"], use_relay=False)
+    p2p = await P2P.create(initial_peers=[boot], host_maddrs=[f"/ip4/{me}/tcp/0"], use_relay=False,
+                           tls=os.environ.get("P2P_MESH_TLS", "1") == "1")
     await p2p.add_protobuf_handler(HANDLER, handler, averaging_pb2.AveragingData, stream_input=True,
                                    stream_output=True)
-    (out / f"mesh{index}.id").write_text(p2p.peer_id.to_base58())
+    (out / f"mesh{index}.tmp").write_text(p2p.peer_id.to_base58())
+    (out / f"mesh{index}.tmp").rename(out / f"mesh{index}.id")
     deadline = time.monotonic() + 60
     while len(list(out.glob("mesh*.id"))) < n and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
@@ -93,18 +97,18 @@ def p2p_mesh(bed, out: Path, boot: str, n: int, nbytes_per_direction: int, part_
     while len(list(out.glob("mesh*.id"))) < n and time.monotonic() < deadline:
         time.sleep(0.1)
     start_at = time.monotonic() + 2.0
-    (out / "mesh.start").write_text(repr(start_at))
+    (out / "mesh.start.tmp").write_text(repr(start_at))
+    (out / "mesh.start.tmp").rename(out / "mesh.start")  # atomic: a probe never reads it half written
     results = [json.loads(p.communicate(timeout=700)[0].strip().splitlines()[-1]) for p in procs]
     return max(max(r["last_reply"], r["last_received"]) for r in results) - start_at
 
 
-def bench_p2p_mesh(n: int = 4, rates: tuple[float, ...] = (20.0, 100.0), runs: int = 3,
+def bench_p2p_mesh(group_sizes: tuple[int, ...] = (2, 4), rates: tuple[float, ...] = (20.0, 100.0), runs: int = 3,
                    state_bytes: int = 22_000_000, part_bytes: int = 2**19) -> None:
     """Both meshes (p2p daemons, kernel TCP) on the same testbed, ``runs`` times per rate (module docstring).
 
     ``state_bytes`` is the all-reduce benchmark's pseudo-gradient (22.0 MB fp32); ``part_bytes`` its part.
     """
-    import os
     import statistics
 
     from benchmarks.allreduce_profile import tcp_mesh
@@ -112,10 +116,10 @@ def bench_p2p_mesh(n: int = 4, rates: tuple[float, ...] = (20.0, 100.0), runs: i
     from benchmarks.testbed import Testbed
 
     cases = []
-    for rate in rates:
+    for n, rate in itertools.product(group_sizes, rates):
         bound = 2 * (n - 1) / n * state_bytes * 8 / (rate * 1e6)
         with Testbed(n + 1, rate) as bed:
-            out = fresh(f"p2p-mesh-{int(rate)}")
+            out = fresh(f"p2p-mesh-{n}-{int(rate)}")
             boot = _boot(bed, out)
             load = os.getloadavg()[0]
             p2p_s = [p2p_mesh(bed, out, boot, n, state_bytes // n, part_bytes) for _ in range(runs)]

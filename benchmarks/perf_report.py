@@ -43,36 +43,66 @@ def _plot(name: str, draw) -> str:
     return f"![{name}](benchmarks/results/{path.name})"
 
 
+ALLREDUCE_TARGET = 1.15
+"""Issue 23: the all-reduce within 1.15x the bandwidth bound (1.10x a plain TCP flow's 1.045)."""
+
+
 def allreduce(d: dict[str, Any]) -> list[str]:
     rows = d["rows"]
+    mesh = {(c["peers"], c["rate_mbit"]): c for c in (_load("p2p_mesh") or {}).get("cases", [])}
     out = ["### All-reduce efficiency", "",
            f"Real `RoundAverager` probes in separate namespaces, {rows[0]['nbytes'] / 1e6:.1f} MB fp32 "
            f"pseudo-gradient, {d['rounds']} rounds each (median; the slowest peer per round). Bound = "
-           "2(N-1)/N x S x 8 / B. Target <= 1.25.", "",
+           f"2(N-1)/N x S x 8 / B. Target <= {ALLREDUCE_TARGET}.", "",
            "| peers | Mbit/s | bound (s) | measured (s, median) | all rounds (s) | measured / bound | met | "
-           "plain TCP floor | rounds averaged |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "plain TCP floor | TCP mesh floor | p2p daemon mesh floor | measured / p2p daemon floor | "
+           "rounds averaged |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         floor = f"{r['floor_ratio']:.3f}" if "floor_ratio" in r else "-"
         outcomes = [o for peer in r.get("outcomes", []) for o in peer]
         averaged = f"{outcomes.count('averaged')} of {len(outcomes)}" if outcomes else "-"
+        m = mesh.get((r["peers"], r["rate_mbit"]))
+        meshes = (f"{m['tcp_ratio']:.2f} | {m['p2p_ratio']:.2f} | {r['ratio'] / m['p2p_ratio']:.2f}" if m
+                  else "- | - | -")
         out.append(f"| {r['peers']} | {r['rate_mbit']:g} | {r['bound_s']:.2f} | {r['median_s']:.2f} | "
-                   f"{', '.join(f'{s:.2f}' for s in r['seconds'])} | {r['ratio']:.2f} | {_met(r['ratio'] <= 1.25)} | "
-                   f"{floor} | {averaged} |")
+                   f"{', '.join(f'{s:.2f}' for s in r['seconds'])} | {r['ratio']:.2f} | "
+                   f"{_met(r['ratio'] <= ALLREDUCE_TARGET)} | {floor} | {meshes} | {averaged} |")
     out += ["", "Plain TCP floor: the ratio a single bulk TCP flow would score on the same link (tbf counts "
-            "Ethernet, IP and TCP headers, so payload reaches about 95.6% of the rate); the rest of each ratio is "
-            "the all-reduce's own overhead (libp2p framing, the pipeline of parts, the completion check)."]
+            "Ethernet, IP and TCP headers, so payload reaches about 95.6% of the rate). The two mesh floors "
+            "(`perf_swarm p2p_mesh`, `benchmarks/p2p_mesh.py`, median of 3 runs, same testbed) send the "
+            "all-reduce's bytes in its pattern with no all-reduce: every host sends 2S/N to every other at "
+            "once, as kernel TCP flows (TCP mesh), and through the p2p daemons' libp2p streams that hivemind's "
+            "all-reduce uses, one stream per pair carrying parts out and replies back in parts of 512 KiB "
+            "(p2p daemon mesh). The last ratio is the all-reduce's own overhead over its transport."]
 
     def draw(ax):
         labels = [f"N={r['peers']}\n{r['rate_mbit']:g} Mbit/s" for r in rows]
         ax.bar(labels, [r["ratio"] for r in rows], color="tab:blue")
-        ax.axhline(1.25, color="tab:red", linestyle="--", label="target 1.25")
+        ax.axhline(ALLREDUCE_TARGET, color="tab:red", linestyle="--", label=f"target {ALLREDUCE_TARGET}")
         ax.axhline(1.0, color="gray", linestyle=":", label="bound")
         ax.set_ylabel("measured / bound")
         ax.legend()
-    missed = [r for r in rows if r["ratio"] > 1.25]
+    missed = [r for r in rows if r["ratio"] > ALLREDUCE_TARGET]
     if missed:
-        out += ["", "Missed cases: the group of 4 at both rates, and 2 peers at 20 Mbit/s in some runs. Part size "
+        out += ["", f"Missed cases: {len(missed)} of {len(rows)}."]
+        if mesh:
+            p2p = [c["p2p_ratio"] for c in mesh.values()]
+            tcp = [c["tcp_ratio"] for c in mesh.values()]
+            over = [c["p2p_ratio"] / c["tcp_ratio"] - 1 for c in mesh.values()]
+            own = [r["ratio"] / mesh[(r["peers"], r["rate_mbit"])]["p2p_ratio"] - 1 for r in rows
+                   if (r["peers"], r["rate_mbit"]) in mesh]
+            out[-1] += (f" The p2p daemon mesh floor is the reason: the same bytes in the same pattern through "
+                        f"libp2p streams, with no all-reduce, already take {min(p2p):.2f}-{max(p2p):.2f}x the "
+                        f"bound, against {min(tcp):.2f}-{max(tcp):.2f}x as kernel TCP, so the transport "
+                        f"hivemind uses costs {100 * min(over):.0f}-{100 * max(over):.0f}% before the all-reduce "
+                        f"does any work: the transport alone exceeds the {ALLREDUCE_TARGET}x target in "
+                        f"{sum(x > ALLREDUCE_TARGET for x in p2p)} of {len(p2p)} cases. The "
+                        f"all-reduce adds {100 * min(own):.0f}% to {100 * max(own):.0f}% over that floor (the "
+                        "last column).")
+        out[-1] += (" Noise instead of TLS as the daemon's channel security (tried by hand on 24 Nov 2026, "
+                    "N=4, 2 runs each rate) gave a p2p daemon mesh of 1.28x and 1.29x, no better than TLS. "
+                    "Earlier measurements: part size "
                 "was tried by hand on the same testbed with 4 peers (3 rounds each, machine loaded by other "
                 "work, load average 3-5): at 20 Mbit/s 64 KB 1.29, 128 KB 1.27, 512 KB (default) 1.30-1.40, "
                 "2 MB 1.39; at 100 Mbit/s 128 KB 1.31, 512 KB 1.35-1.39. Smaller parts help a little and do not "
@@ -80,7 +110,7 @@ def allreduce(d: dict[str, Any]) -> list[str]:
                 "a reducer replies to part k only once all 4 senders delivered it, so a slow flow anywhere stalls "
                 "replies everywhere. The profile below separates CPU from link time: on an idle machine the "
                 "CPU is not the limit and deeper prefetch does not help; int8 on the wire cuts the bytes "
-                "(and this time) about 4x."]
+                "(and this time) about 4x.")
     out += ["", _plot("allreduce", draw)]
     if profile := _load("allreduce_profile"):
         out += ["", *allreduce_profile(profile)]
@@ -214,14 +244,16 @@ PROFILE_FINDINGS: list[str] = [
     "medians 1.29x / 1.30x and 1.33x / 1.32x (20 / 100 Mbit/s) as is, and 1.34x / 1.32x with prefetch 8 "
     "in the second.",
     "",
-    "What that suggests (not measured yet): the missing 15-18% over the mesh floor is flows running below "
-    "the share the links leave them, in the libp2p stream layer rather than in the all-reduce's CPU work. "
-    "A per-stream flow-control window could produce this (a lone last flow below the link's rate, "
-    "while kernel TCP in the same mesh does better); the next measurement is the same mesh through p2pd "
-    "streams without the all-reduce, then fewer concurrent streams per link (send to one reducer at a time "
-    "in a staggered order) if the daemon's streams are the limit. With a mesh floor of 1.11-1.15x, the "
-    "target of 1.15x the bound leaves the all-reduce 0-4% over plain TCP in the same pattern; the target "
-    "of 1.10x the TCP floor is the one to read against the mesh floor rather than the single flow.",
+    "What that suggested, and what measuring it showed (24 Nov 2026, 15:55 UTC, idle machine): the missing "
+    "15-18% over the mesh floor looked like flows running below the share the links leave them, in the "
+    "libp2p stream layer rather than in the all-reduce's CPU work. The same mesh through the p2p daemons' "
+    "streams, without the all-reduce (`benchmarks/p2p_mesh.py`, the p2p daemon mesh floor in the table "
+    "above), confirms it: at N=4 it takes 1.24x (20 Mbit/s) and 1.23x (100 Mbit/s) the bound against "
+    "1.11x and 1.10x as kernel TCP, and the all-reduce measured an hour later took 1.36x and 1.31x, so "
+    "about two thirds of its excess over kernel TCP is the transport's. Sending to fewer reducers at once "
+    "would not lift that floor: the p2p daemon mesh of 2 peers, one stream each way, took 1.14x and 1.28x. "
+    "What is left to the all-reduce itself (0-10% over its transport) is the wait for every sender's part "
+    "before a reducer replies.",
 ]
 """What the profile says, written from the measured run (benchmarks/results/perf_allreduce_profile.json)."""
 
@@ -418,8 +450,8 @@ def summary() -> list[str]:
     rows = []
     if d := _load("allreduce"):
         for r in d["rows"]:
-            rows.append((f"all-reduce / bound, N={r['peers']}, {r['rate_mbit']:g} Mbit/s", "<= 1.25",
-                         f"{r['ratio']:.2f}", r["ratio"] <= 1.25))
+            rows.append((f"all-reduce / bound, N={r['peers']}, {r['rate_mbit']:g} Mbit/s", f"<= {ALLREDUCE_TARGET}",
+                         f"{r['ratio']:.2f}", r["ratio"] <= ALLREDUCE_TARGET))
     if d := _load("utilization"):
         for run in d["runs"]:
             u = run["median_utilization"]
