@@ -177,10 +177,11 @@ def phase_elapsed_s(records: Iterable[tuple[float, float]], max_age_s: float = P
     Both numbers are claims and the age rests on the writer's clock, so the age counts only within
     ``[0, max_age_s]``: a training peer rewrites its record every few seconds, and one whose record is
     older has finished its phase and waits for its group, so the phase is over either way. The median
-    keeps a minority of false records from moving the answer; with two peers it is their mean, so one
-    liar moves it by at most half its claim. What a liar gains is bounded to one round of this peer's work
-    sizing: too few steps (it waits in matchmaking) or too many (it misses the group and folds its work
-    into the next round).
+    keeps a minority of false records from moving the answer, but a new joiner believes only the donor it
+    loaded from, so the caller also takes the larger of this and what it measured itself (the download time,
+    a lower bound: the donors served the state from the start of their phase). A liar can then only make the
+    phase look further along: this peer plans fewer steps, arrives early and waits for its group
+    (``swarm.quorum.EarlyAssembly`` lets it follow), losing part of one phase's work, never the round.
     """
     totals = sorted(float(phase) + min(max(float(age), 0.0), max_age_s) for phase, age in records
                     if math.isfinite(phase) and phase >= 0 and math.isfinite(age))

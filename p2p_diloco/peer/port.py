@@ -232,7 +232,11 @@ class SwarmPort:
         state.params, state.opt_tensors = [], []  # the downloaded copy goes now, not when resync returns
         self.state.begin(self.params)
         self.serve(checksum=False, manifest=manifest)
-        self.late_start_s = self._phase_elapsed(epoch, downloaded_s=time.monotonic() - began)
+        # The donors served epoch ``state.epoch`` from the moment they stepped to it, before this download
+        # began: its time is a lower bound on how far they are, measured here, which no record can lower. After
+        # a missed round was applied the swarm's phase began during the download: the records alone say.
+        downloaded_s = time.monotonic() - began if epoch == state.epoch else 0.0
+        self.late_start_s = max(downloaded_s, self._phase_elapsed(epoch, downloaded_s=downloaded_s))
         logger.info("Synchronised to epoch %d from %s", epoch, state.donor)
         return True
 

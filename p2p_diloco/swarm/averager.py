@@ -182,6 +182,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         due: Collection[str] = (),
         copy_out: bool = True,
         left_behind: Callable[[], bool] | None = None,
+        step_back: bool = True,
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
         ``matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s`` (plus a few seconds; the
@@ -197,6 +198,8 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         :param due: base58 ids of the peers verified due in this round (``quorum.due_peers`` of the signed
           progress records); when this peer leads and all of them joined, the group forms before the
           ``matchmaking_time_s`` window ends. Empty: the window decides.
+        :param step_back: a leader still alone when its first window ends lets the next due peer lead
+          (``quorum.EarlyAssembly``); ``False`` when a client-mode peer is due (it could not join such a leader).
         :param copy_out: return the fresh mean as a copy. ``False`` returns views of the shared buffer, valid
           until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
           model-sized copy per round).
@@ -242,7 +245,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         try:
             deadlines = self.deadlines.next_round()
             gather = sign_gather(encode_gather(self.bandwidth, self.mode, info), self._claim_key)
-            control = self._begin_step(gather, tuple(due), deadlines, stale_shared)
+            control = self._begin_step(gather, tuple(due), deadlines, stale_shared, step_back=step_back)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
@@ -264,7 +267,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             members=result.contributors,
             # an early peer that stepped back waited for the others to arrive: no sample of their spread
             wait_s=float("nan") if result.stepped_back else result.wait_seconds,
-            due_arrival_s=result.due_arrival_s,
+            due_arrival_s=None if result.stepped_back else result.due_arrival_s,
             allreduce_s=result.allreduce_seconds if result.averaged else None,
             allreduce_timed_out=result.timed_out,
         )
@@ -339,7 +342,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             self.lock_averaged_tensors.release()
 
     def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...], deadlines: RoundDeadlines,
-                    stale: list[torch.Tensor] | None = None) -> StepControl:
+                    stale: list[torch.Tensor] | None = None, step_back: bool = True) -> StepControl:
         """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round; the
         window and the all-reduce deadline are this round's ``deadlines``, ``stale`` the round's late work."""
         now = get_dht_time()
@@ -352,7 +355,8 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         )
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due,
-                                                 allreduce_timeout=deadlines.allreduce_s, stale=stale)))
+                                                 allreduce_timeout=deadlines.allreduce_s, stale=stale,
+                                                 step_back=step_back)))
         try:
             trigger, cancel = future_for_init.result(timeout=self.cfg.startup_timeout_s)
         except BaseException:

@@ -216,8 +216,11 @@ class Swarm:
         group has formed, ``True`` gives the round up (both: see ``RoundAverager.average``)."""
         due = due_peers(self._seen, epoch)
         self._warn_above_target(len(due), epoch)
+        # A client never declares, so it can join only a leader whose declaration ends before its own: one that
+        # stepped back (``quorum.EarlyAssembly``) would turn it away. With a client due, nobody steps back.
+        step_back = not self.cfg.client_mode and not any(r.client_mode for r in self._seen if r.peer_id in due)
         return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight,
-                                     due=due, copy_out=copy_out, left_behind=left_behind)
+                                     due=due, copy_out=copy_out, left_behind=left_behind, step_back=step_back)
 
     def _warn_above_target(self, due: int, epoch: int) -> None:
         """Say so when more peers are due than one group holds (once per 50 rounds): the swarm then splits into

@@ -73,7 +73,8 @@ class Formed:
 
 STEP_BACK_LEAD_S = 0.5
 """A leader still alone this long before its first window ends steps back (:class:`EarlyAssembly`): hivemind
-re-declares it when that window ends, with the scheduled time as it stands then."""
+re-declares it when that window ends, with the scheduled time as it stands then. A quarter of the window when
+that is shorter, so that a short window still leaves peers time to join before anyone steps back."""
 
 
 class EarlyAssembly:
@@ -116,15 +117,16 @@ class EarlyAssembly:
         began, arrived = time.monotonic(), set()
         first_window_end = step.scheduled_time if step is not None else None
         window_s = max(0.0, first_window_end - get_dht_time()) if first_window_end is not None else 0.0
+        lead = min(STEP_BACK_LEAD_S, window_s / 4)
         viable_since: float | None = None  # stepped back, leading, and the group became big enough then
         joined = self._joined = self._joined or asyncio.Event()
         while True:
             if first_window_end is not None:
-                wake: float | None = first_window_end - STEP_BACK_LEAD_S - get_dht_time()
+                wake: float | None = first_window_end - lead - get_dht_time()
             elif viable_since is not None:
                 wake = viable_since + window_s - time.monotonic()
             else:
-                wake = None
+                wake = None  # only a join (or the end of the search) can change anything now
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(joined.wait(), None if wake is None else max(0.0, wake))
             joined.clear()
@@ -136,11 +138,13 @@ class EarlyAssembly:
                 if first_window_end is not None:
                     if following or len(members) > 1:
                         first_window_end = None  # not alone: the window ends the wait, as it always did
-                    elif get_dht_time() >= first_window_end - STEP_BACK_LEAD_S:
+                    elif get_dht_time() >= first_window_end - lead:
                         self._step_back(step, len(due - members))
                         formed.stepped_back, first_window_end = True, None
+                if following or len(members) < self.min_group_size:
+                    viable_since = None  # following (its leader decides), or the group came apart: start over
                 if following:
-                    continue  # we follow another leader now: it decides
+                    continue
                 came = (members & due) - {me}
                 if came - arrived:
                     formed.due_arrival_s = time.monotonic() - began

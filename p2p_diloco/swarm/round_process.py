@@ -77,7 +77,8 @@ class RoundProcessMixin:
     """``_step`` and ``_aggregate_with_group`` of ``RoundAverager``: what a round does in the averager process."""
 
     async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = (),
-                    allreduce_timeout: float | None = None, stale: list[torch.Tensor] | None = None) -> None:
+                    allreduce_timeout: float | None = None, stale: list[torch.Tensor] | None = None,
+                    step_back: bool = True) -> None:
         """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
@@ -98,7 +99,7 @@ class RoundProcessMixin:
             formed = Formed()
             matchmaking = asyncio.create_task(self._matchmaking.look_for_group(step))
             early = asyncio.create_task(self._early.watch(self._matchmaking, self.peer_id.to_base58(), due, formed,
-                                                          step))
+                                                          step if step_back else None))
             cancelled = asyncio.create_task(step.wait_for_cancel())
             try:
                 await asyncio.wait({matchmaking, cancelled}, return_when=asyncio.FIRST_COMPLETED)

@@ -71,7 +71,7 @@ async def _blast(_dht: Any, node: Any, paths: tuple[str, ...], run: str, fingerp
     sybils = _keys(paths)
     exp = get_dht_time() + 30
     record = dict(epoch=INFLATED_EPOCH, inner_step=10**7, steps_per_s=1.0, samples_per_s=4.0, tokens_per_s=256.0,
-                  fingerprint=fingerprint, time=get_dht_time(), client_mode=False)
+                  fingerprint=fingerprint, time=get_dht_time(), client_mode=False, phase_s=0.0)
     peers = list(node.protocol.routing_table.peer_id_to_uid)
     sent = accepted = 0
     for key, subkey in sybils:
