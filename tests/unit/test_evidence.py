@@ -379,3 +379,30 @@ def test_an_update_that_does_not_lead_to_the_voted_state_is_dropped_for_a_second
     assert port.resync(3)
     assert [m for m, _ in swarm.downloads] == [3, 4]  # the stepped result failed its check: downloaded again
     assert state.epoch == 4 and port.state_digest() == swarm_sha
+
+
+def test_a_peer_one_round_behind_with_the_swarms_state_applies_the_update_to_its_own() -> None:
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, donor=download)
+    port, state = _port(swarm)
+    assert port.resync(3)  # loaded epoch 3 while the swarm averaged it, and then missed that round's group
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+    swarm.claims, swarm.votes = {"a": 4, "b": 4}, {"a": swarm_sha, "b": swarm_sha}
+    swarm.update = SimpleNamespace(base=(download.state_sha256, 3), fresh=[t.clone() for t in fresh], stale=None,
+                                   result_sha=swarm_sha, donor="a", sources=("a", "b"))
+    assert port.resync(4)
+    assert len(swarm.downloads) == 1  # the update only (half a state or less), not a second whole state
+    assert state.epoch == 4 and port.state_digest() == swarm_sha  # bitwise the swarm's state
+    assert torch.equal(port.params[0], state.anchors[0])  # and the model starts the round from it
+    # an update that does not lead to the voted state: the live state changed, so the whole state is downloaded
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    newest = _download_of(truth, "b")
+    newest_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+    swarm.claims, swarm.votes, swarm.donor = {"a": 5, "b": 5}, {"a": newest_sha, "b": newest_sha}, newest
+    swarm.update = SimpleNamespace(base=(swarm_sha, 4), fresh=[t + 1.0 for t in fresh], stale=None,
+                                   result_sha=newest_sha, donor="a", sources=("a",))
+    assert port.resync(5)
+    assert [m for m, _ in swarm.downloads] == [3, 5]
+    assert state.epoch == 5 and port.state_digest() == newest_sha
