@@ -225,7 +225,7 @@ def bench_codecs(rate: float = 100.0) -> None:
     save("codecs", dict(rate_mbit=rate, rows=rows))
 
 
-def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> None:
+def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner", join_at: int = 2) -> None:
     """A third peer joins a running 2-peer swarm: spawn to ready (state loaded) and spawn to its first
     contribution to an average, against the state's transfer bound.
 
@@ -234,7 +234,10 @@ def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> N
     the ratio says more about imports than about the download. ``steps`` makes a round (about 40 s) outlast
     the download, DiLoCo's regime: when a download takes longer than a round the joiner arrives behind and
     downloads again (measured and discussed in BENCHMARKS.md). The running peers send int8, so their
-    all-reduce leaves the donor's uplink to the download most of the time.
+    all-reduce leaves the donor's uplink to the download most of the time. The joiner starts once the swarm
+    reached epoch ``join_at``: at epoch 1 its own initial state (every peer starts from the same seeded one)
+    is the swarm's state of epoch 0, so it fetches only that round's update (``swarm.catchup``), half a
+    state; from epoch 2 on it must download the whole state, as a joiner of any running swarm does.
     """
     out = fresh(name)
     args = [*PEER_BASE, "--run-id", name, "--local-steps", str(steps), "--min-local-steps", "5",
@@ -244,7 +247,8 @@ def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> N
         spawned = time.time()
         procs = start_swarm(bed, out, 2, [*args, "--max-rounds", "60"])  # stopped once the joiner is done
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not any(r["new_epoch"] >= 1 for r in read_log(out / "peer1.jsonl")):
+        while time.monotonic() < deadline and not any(r["new_epoch"] >= join_at
+                                                      for r in read_log(out / "peer1.jsonl")):
             time.sleep(0.5)
         maddr = wait_for_maddr(out / "bootstrap.out", procs["bootstrap"])
         join_spawned = time.time()
@@ -275,7 +279,7 @@ def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner") -> N
     # first contribution ended within seconds of it (both log the same all-reduce).
     after = next((r["time"] for r in swarm_rounds if start and r["time"] > start[0]["time"]), float("nan"))
     first_abs = synced[0]["time"] if synced else float("nan")
-    save(name, dict(rate_mbit=rate, local_steps=steps, state_bytes=state_bytes, bound_s=bound, how=start[0]["how"] if start else "",
+    save(name, dict(rate_mbit=rate, local_steps=steps, join_at_epoch=join_at, state_bytes=state_bytes, bound_s=bound, how=start[0]["how"] if start else "",
                     ready_s=ready, fresh_startup_s=fresh_ready, first_contribution_s=first,
                     transfer_s=ready - statistics.median(fresh_ready), codes=codes,
                     joiner_outcomes=[r["outcome"] for r in rounds],
