@@ -300,9 +300,11 @@ class SwarmPort:
         loaded as it is: the round policy resyncs later); ``None`` when the result failed its checks (the
         downloaded tensors changed: the caller downloads again). The live state is not touched here."""
         limit = self.swarm.cfg.state_download_timeout_s if timeout is None else timeout
+        # at least half the download's own limit (the update is half a state or less): a download that used
+        # most of its limit left the update too little time (1 Mbit/s: 30 s left for 27 s of update, cut)
         with self._network():
             update = self.swarm.download_update(state.params, state.state_sha256, state.epoch,
-                                                max(1.0, limit - (time.monotonic() - began)))
+                                                max(limit / 2, limit - (time.monotonic() - began)))
         if update is None:
             logger.info("The swarm is at epoch %d and no donor serves the round we missed; loading epoch %d",
                         state.epoch + 1, state.epoch)
