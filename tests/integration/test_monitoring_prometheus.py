@@ -200,7 +200,10 @@ def test_prometheus_runs_every_dashboard_query_and_alert_on_a_live_swarm(tmp_pat
             alerts = get_json(f"{prom_url}/api/v1/alerts")["data"]["alerts"]
             return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
 
-        assert "P2PDilocoSwarmPeersDropped" not in firing()
+        # Silent once the rules were evaluated on the healthy swarm: a swarm that trains within seconds of its
+        # start can get here while the evaluation from before the peers published still fires (count 0).
+        wait_for(lambda: not {"P2PDilocoSwarmPeersDropped", "P2PDilocoSwarmEmpty"} & firing(), 30,
+                 "the peer-count alerts to be silent in the healthy swarm")
         procs["b"].send_signal(signal.SIGKILL)
         procs["b"].wait(timeout=30)
         # b's endpoint is gone at once; its DHT progress record lasts until its TTL (30 s) runs out.
