@@ -242,19 +242,20 @@ class SwarmPort:
         # began: its time is a lower bound on how far they are, measured here, which no record can lower. After
         # a missed round was applied the swarm's phase began during the download: the records alone say.
         downloaded_s = time.monotonic() - began if epoch == state.epoch else 0.0
-        self.late_start_s = max(downloaded_s, self._phase_elapsed(epoch, downloaded_s=downloaded_s))
+        self.late_start_s = self._phase_elapsed(epoch, floor_s=downloaded_s)
         logger.info("Synchronised to epoch %d from %s", epoch, state.donor)
         return True
 
-    def _phase_elapsed(self, epoch: int, downloaded_s: float) -> float:
+    def _phase_elapsed(self, epoch: int, floor_s: float) -> float:
         """How far the believed peers are into the inner phase of ``epoch`` (``core.dylu.phase_elapsed_s``
-        of their records, read now), or ``downloaded_s`` when none of them says."""
+        of their records, read now), and never less than ``floor_s``, what this peer measured itself (records
+        are claims: one can only make the phase look further along)."""
         with self._network():
             records = self.records()
         believed = {c.peer_id for c in self.evidence.believed(self.claims)} - {self.swarm.peer_id}
         elapsed = phase_elapsed_s((r.phase_s, r.age_s()) for r in records
                                   if r.epoch == epoch and r.peer_id in believed and not r.client_mode)
-        return downloaded_s if elapsed is None else elapsed
+        return floor_s if elapsed is None else max(floor_s, elapsed)
 
     def _catch_up_live(self, base: str, began: float, timeout: float | None) -> bool | None:
         """One round behind with the swarm's own state of the round before (a peer that loaded a state while
@@ -287,7 +288,7 @@ class SwarmPort:
         self.evidence.adopted_from(update.donor)
         self.serve(checksum=False, manifest=manifest)
         # the donors served the update from the moment they stepped: the fetch time is a lower bound
-        self.late_start_s = max(fetched_s, self._phase_elapsed(self.state.epoch, downloaded_s=fetched_s))
+        self.late_start_s = self._phase_elapsed(self.state.epoch, floor_s=fetched_s)
         logger.info("Applied the round of epoch %d we missed (from %d donor(s)) to our own state", epoch,
                     len(update.sources))
         return True
