@@ -37,6 +37,10 @@ from p2p_diloco.swarm.state import ServedUpdate, SwarmState
 
 logger = logging.getLogger(__name__)
 
+DOWNLOAD_ATTEMPTS = 3
+"""How often one resync asks for the swarm's state when the donors stepped on mid-download (``SwarmPort._download``):
+each attempt ends when the donors step again, so more only helps a peer whose download takes about one round."""
+
 
 class SwarmPort:
     """Executes rounds on ``swarm`` for the outer state ``state`` of the model's ``params``."""
@@ -202,9 +206,7 @@ class SwarmPort:
             if caught is None:  # the anchors changed and failed their check: only a download repairs them
                 known = None
         backed: dict[str, int] = {}
-        with self._network():
-            state = self.swarm.download(self.state.anchors, min_epoch, timeout, trusted=self.trusted_or_none(),
-                                        backed=backed)
+        state = self._download(min_epoch, began, timeout, backed)
         self.notify("state_transfer", "received", state is not None)
         if state is None:
             claims = self.claims
@@ -245,6 +247,32 @@ class SwarmPort:
         self.late_start_s = self._phase_elapsed(epoch, floor_s=downloaded_s)
         logger.info("Synchronised to epoch %d from %s", epoch, state.donor)
         return True
+
+    def _download(self, min_epoch: int, began: float, timeout: float | None,
+                  backed: dict[str, int]) -> SwarmState | None:
+        """The swarm's verified state of ``min_epoch`` or newer, asked for again (at most
+        ``DOWNLOAD_ATTEMPTS`` times, within the one time limit) when an attempt failed while the swarm this peer
+        believes stepped to a later epoch: the donors stopped serving the state being fetched because they
+        moved on to the next round's, which is then the state to fetch. Without this a peer whose download
+        outlasted one of the swarm's rounds (all donors of one group step together) gave up and trained a
+        whole phase on its old state before trying again. ``backed`` collects every attempt's donors
+        (``swarm.download``)."""
+        limit = self.swarm.cfg.state_download_timeout_s if timeout is None else timeout
+        state = None
+        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+            before = self.swarm_epoch()
+            with self._network():
+                state = self.swarm.download(self.state.anchors, min_epoch, max(1.0, limit - (time.monotonic() - began)),
+                                            trusted=self.trusted_or_none(), backed=backed)
+            if state is not None or limit - (time.monotonic() - began) < 1.0:
+                return state
+            after = self.swarm_epoch()
+            if after is None or before is None or after <= before:
+                return None  # nobody believed moved on: a retry would meet the same donors in the same state
+            logger.info("The swarm stepped from epoch %d to %d while we downloaded (attempt %d of %d); asking "
+                        "for its new state", before, after, attempt, DOWNLOAD_ATTEMPTS)
+            min_epoch = max(min_epoch, after)
+        return state
 
     def _phase_elapsed(self, epoch: int, floor_s: float) -> float:
         """How far the believed peers are into the inner phase of ``epoch`` (``core.dylu.phase_elapsed_s``

@@ -16,7 +16,7 @@ from p2p_diloco.core.evidence import EPOCH_LIMIT, MOVED_ON_PASSES, Claim, Eviden
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.peer.faults import NO_FAULTS
-from p2p_diloco.peer.port import SwarmPort
+from p2p_diloco.peer.port import DOWNLOAD_ATTEMPTS, SwarmPort
 from p2p_diloco.swarm.checksum import params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.group import MemberInfo
 from p2p_diloco.swarm.records import ProgressRecord
@@ -255,6 +255,39 @@ def test_port_keeps_believing_donors_that_served_verified_chunks_of_a_failed_dow
     swarm.served_chunks, swarm.moves_on = {"a": 3, "b": 3}, {}
     assert not port.resync(3)
     assert port.observe(0).swarm_epoch in (None, 0)
+
+
+def test_port_asks_again_when_the_swarm_stepped_on_during_its_download() -> None:
+    stepped = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=3, donor="a",
+                              params_sha256=params_sha256([torch.ones(4)]),
+                              params_manifest=tensor_manifest([torch.ones(4)]))
+    # a and b stepped from epoch 2 to 3 while the first attempt fetched epoch 2: the second fetches epoch 3
+    swarm = ScriptedSwarm(claims={"me": 0, "a": 2, "b": 2}, moves_on={"a": 3, "b": 3}, donor=[None, stepped])
+    port, state = _port(swarm)
+    assert port.resync(2)
+    assert [epoch for epoch, _ in swarm.downloads] == [2, 3] and state.epoch == 3
+    # nobody moved on: one attempt only (the same donors would answer the same way)
+    swarm.claims, swarm.moves_on, swarm.donor, swarm.downloads = {"me": 3, "a": 4}, {}, [None, stepped], []
+    assert not port.resync(4)
+    assert len(swarm.downloads) == 1
+    # donors that keep stepping on: at most DOWNLOAD_ATTEMPTS tries within one resync
+    swarm.donor, swarm.downloads = [None] * 9, []
+    epochs = iter(range(5, 50))
+    swarm.download = _stepping(swarm, epochs)  # type: ignore[method-assign]
+    assert not port.resync(4)
+    assert len(swarm.downloads) == DOWNLOAD_ATTEMPTS
+
+
+def _stepping(swarm: ScriptedSwarm, epochs):  # noqa: ANN001, ANN202
+    """A download that fails while every peer steps to the next epoch."""
+    plain = ScriptedSwarm.download.__get__(swarm)
+
+    def download(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        epoch = next(epochs)
+        swarm.moves_on = {"a": epoch}
+        return plain(*args, **kwargs)
+
+    return download
 
 
 def test_a_donor_that_keeps_moving_on_is_forgiven_three_times_in_a_row() -> None:
