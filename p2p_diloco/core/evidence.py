@@ -20,8 +20,9 @@ epochs and digests):
   ``UNBACKED_FIRST_S``, doubling with each further failure up to ``UNBACKED_MAX_S``. A claim with nothing
   behind it costs one failed download per window, then stops stalling the peer; an honest donor that was
   only slow is believed again a minute later.
-- **Checksum votes** count only trusted voters (:func:`outvoted`): a peer resyncs because peers it averaged
-  with hold other parameters, never because k fresh ids say so.
+- **Checksum votes** count only trusted voters and this peer itself (:func:`outvoted`): a peer resyncs
+  because peers it averaged with hold other parameters more often than its own, never because k fresh ids
+  say so; a tie goes to the lowest digest, so a round whose group split closes the split.
 - **Donor states** (:func:`state_verdict`): from a trusted donor, accepted unless trusted voters published
   another digest for that epoch; from anyone else, only when trusted voters published its digest. A peer
   that trusts nobody visible uses the votes only to choose among donors: it prefers a verified state no
@@ -81,9 +82,22 @@ def strict_majority(votes: Mapping[str, str]) -> str | None:
 
 
 def outvoted(trusted_votes: Mapping[str, str], mine: str) -> bool:
-    """A strict majority of trusted voters published a digest other than ``mine`` (we drifted)."""
-    major = strict_majority(trusted_votes)
-    return major is not None and major != mine
+    """Trusted voters published a digest other than ``mine`` more often than ``mine`` was published, this
+    peer's own vote included; a tie goes to the lowest digest (we drifted, or our group split from theirs).
+
+    Why this peer's own vote counts and why ties are broken: a round's peers can split into two groups of the
+    same epoch (matchmaking is not one global agreement), and the two halves then hold different parameters.
+    Counting only the others' votes, each peer of a 2-2 split saw the other half as a strict majority (one
+    of its own side against two of the other), so all four resynced to the other side's state and the split
+    swapped sides instead of closing; and an even split with no majority would never close at all. With
+    this peer's vote counted and the tie broken by a rule every peer evaluates alike (the lowest digest),
+    one side stays and the other loads its state. Only trusted voters count, so a tie cannot be made with
+    free identities; a lone peer facing one trusted voter of another digest moves only if that digest is
+    the lower (before, it always moved)."""
+    votes = Counter(trusted_votes.values())
+    votes[mine] += 1
+    winner, _ = min(votes.items(), key=lambda item: (-item[1], item[0]))
+    return winner != mine
 
 
 def state_verdict(donor: str, digest: str, votes: Mapping[str, str], trusted: frozenset[str] | None) -> str | None:

@@ -94,7 +94,20 @@ def test_sybil_votes_do_not_count_trusted_ones_do() -> None:
     assert not outvoted(ev.trusted_votes(votes), "0" * 64)  # 10 Sybils against 2 groupmates
     assert outvoted(ev.trusted_votes(votes | {"a": "1" * 64, "b": "1" * 64}), "0" * 64)
     assert not outvoted(ev.trusted_votes({s: "f" * 64 for s in SYBILS}), "0" * 64)  # nobody trusted voted
-    assert not outvoted({"a": "1" * 64, "b": "0" * 64}, "0" * 64)  # no strict majority
+    assert not outvoted({"a": "1" * 64, "b": "0" * 64}, "0" * 64)  # our own vote counts: 2 against 1
+
+
+def test_a_split_round_closes_one_side_moves_and_the_other_stays() -> None:
+    x, y = "1" * 64, "9" * 64
+    # two groups of two made epoch e (a, b: x; c, d: y). Without its own vote each peer saw the other side
+    # 2 to 1 and all four swapped; now the tie goes to the lowest digest on every peer alike.
+    everyone = {"a": x, "b": x, "c": y, "d": y}
+    moved = {me for me, mine in everyone.items() if outvoted({p: d for p, d in everyone.items() if p != me}, mine)}
+    assert moved == {"c", "d"}
+    # a lone peer and one trusted voter of another digest: only the higher digest moves
+    assert outvoted({"a": x}, y) and not outvoted({"a": y}, x)
+    # more of ours than of theirs: stay, whatever the digests
+    assert not outvoted({"a": x, "b": y, "c": y}, y)
 
 
 def test_a_donor_state_needs_a_trusted_digest_unless_the_donor_is_trusted() -> None:
