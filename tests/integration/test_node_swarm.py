@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from swarm_procs import FAST, SYNCED, env, events, tail, wait_all, wait_for, wait_for_maddr
 
 NODE = ["--device", "cpu", "--node-timeout-s", "100", "--local-steps", "5", "--min-local-steps", "5",
         "--eval-every", "0"]
+pytestmark = pytest.mark.slow
+
 RANK1 = re.compile(r"node rank 1: epoch (\d+) -> (\d+): (\w+), params sha256 ([0-9a-f]{64})")
 
 

@@ -1,0 +1,80 @@
+"""The flake gate: run the multi-process tests N times and report each test's failures.
+
+Usage (from the repository root, after ``bash scripts/setup.sh``)::
+
+    .venv/bin/python scripts/flake_gate.py 5                    # every `slow` test, 5 times
+    .venv/bin/python scripts/flake_gate.py 5 tests/integration/test_red_team.py   # a selection, 5 times
+
+Each run is one ``pytest -m slow`` over the selection, one test at a time as CI runs them, writing a JUnit
+XML report; the gate then prints one line per test that failed at least once (failures/runs, and the first
+line of each distinct failure message) and exits 1 if any did. A change to a multi-process test, or to the
+round timing it depends on, should pass it with N = 5 before it lands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree  # our own pytest's report, written in this run
+from collections import defaultdict
+from pathlib import Path
+
+
+def run_once(selection: list[str], report: Path) -> int:
+    args = [sys.executable, "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+            *selection]
+    return subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+
+
+def outcomes(report: Path) -> dict[str, str | None]:
+    """test id -> None if it passed (or skipped), else the first line of its failure."""
+    out: dict[str, str | None] = {}
+    if not report.exists():
+        return out
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        failed = case.find("failure")
+        if failed is None:
+            failed = case.find("error")
+        out[name] = None if failed is None else (failed.get("message") or "failed").splitlines()[0][:200]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=int, help="how many times to run the selection (5 before a change lands)")
+    parser.add_argument("selection", nargs="*", default=["tests"], help="test paths (default: the whole suite's "
+                        "`slow` tests)")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("runs must be at least 1")
+    runs: dict[str, int] = defaultdict(int)
+    failures: dict[str, list[str]] = defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            began = time.monotonic()
+            code = run_once(args.selection, Path(tmp) / f"run{i}.xml")
+            seen = outcomes(Path(tmp) / f"run{i}.xml")
+            for name, failure in seen.items():
+                runs[name] += 1
+                if failure is not None:
+                    failures[name].append(failure)
+            print(f"run {i + 1}/{args.runs}: exit {code}, {len(seen)} tests, "
+                  f"{sum(f is not None for f in seen.values())} failed, {time.monotonic() - began:.0f} s", flush=True)
+            if not seen:
+                print("no test report was written: check that the selection collects tests", file=sys.stderr)
+                return 2
+    for name in sorted(runs):
+        if failures[name]:
+            print(f"FLAKY {len(failures[name])}/{runs[name]} {name}")
+            for message in sorted(set(failures[name])):
+                print(f"    {message}")
+    print(f"{len(runs)} tests, {sum(bool(f) for f in failures.values())} failed at least once in {args.runs} runs")
+    return 1 if any(failures.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

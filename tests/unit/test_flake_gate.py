@@ -1,0 +1,59 @@
+"""The flake gate (scripts/flake_gate.py) counts each test's failures over N real pytest runs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+GATE = Path(__file__).parents[2] / "scripts" / "flake_gate.py"
+
+FLAKY = '''
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.slow
+COUNT = pathlib.Path(__file__).with_name("count")
+
+
+def test_flaky():
+    n = int(COUNT.read_text()) if COUNT.exists() else 0
+    COUNT.write_text(str(n + 1))
+    assert n % 2 == 1, "fails on even runs"
+
+
+def test_steady():
+    pass
+'''
+
+
+def _gate():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location("flake_gate", GATE)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _bare_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate's pytest runs load no plugins here (they only cost start-up time for these sample tests)."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+def test_the_gate_counts_each_tests_failures_across_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "test_sample.py").write_text(FLAKY)
+    (tmp_path / "test_fast.py").write_text("def test_not_slow():\n    raise AssertionError('not a slow test')\n")
+    gate = _gate()
+    assert gate.main(["2", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    # run 1 fails (count 0), run 2 passes; the test not marked slow is not run at all
+    assert "FLAKY 1/2 test_sample::test_flaky" in out, out
+    assert "fails on even runs" in out and "test_steady" not in out.split("FLAKY", 1)[1]
+    assert out.strip().endswith("2 tests, 1 failed at least once in 2 runs"), out
+
+
+def test_the_gate_refuses_a_selection_without_tests(tmp_path: Path) -> None:
+    (tmp_path / "test_none.py").write_text("def test_plain():\n    pass\n")  # not slow: nothing to run
+    assert _gate().main(["1", str(tmp_path)]) == 2
