@@ -188,6 +188,14 @@ class RoundDriver:
         result = self.port.average(delta, weight, staleness, epoch, stale, stale_weight)
         report.reason = result.reason
         report.absorb(result)
+        if stale is not None and result.late_consumed and not result.averaged:
+            # The late work went into a round that failed after the averager had scaled it and the all-reduce
+            # had written part of the group's values into it, in place (``RoundResult.late_consumed``): what is
+            # left is neither our work nor the group's. Carrying it into the next fold (or adding a resync's
+            # work to it) would apply a corrupted update; dropping it loses one phase of work that was late.
+            logger.warning("Dropping the late work of epoch %d: the round that folded it failed midway (%s)",
+                           self.pending.late.origin_epoch if self.pending.late else epoch, result.reason)
+            self.pending.late = None
         swarm_epoch = None if result.averaged else self.port.swarm_epoch()
         decision = self.policy.after_allreduce(epoch, result, swarm_epoch)
         if decision.action is Action.RESYNC:

@@ -84,6 +84,11 @@ class RoundResult:
     """Hostile or unauthorised input rejected at receipt, as "peer id: reason"; those peers are banned."""
     with_stale: bool = False
     """The group's layout carried a stale region (somebody folded late work)."""
+    late_consumed: bool = False
+    """The averager scaled this peer's late work in place and the all-reduce wrote into it (the swarm's averager
+    shares the caller's late-work tensors instead of copying them): whatever the outcome, those tensors no
+    longer hold the late work. False where the round failed before that (no group, a refused plan), and
+    always in the simulator, which reduces copies."""
     fresh_mean: list[torch.Tensor] | None = None
     """Sum w_i D_i / sum w_i over members carrying fresh work."""
     stale_term: list[torch.Tensor] | None = None

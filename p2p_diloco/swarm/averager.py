@@ -252,11 +252,13 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             result = self._wait(control, budget, left_behind, after_s=deadlines.window_s)
         except TimeoutError:
             control.cancel()
-            return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch)
-        except _LeftBehind:
+            # the averager process may have scaled the late work in place before it went silent
+            return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch,
+                               late_consumed=has_stale)
+        except _LeftBehind:  # cancelled while no group had formed: the late work was not touched
             return RoundResult(Outcome.SKIPPED, f"the swarm left epoch {epoch} before a group formed", epoch)
         except Exception as e:
-            return RoundResult(Outcome.SKIPPED, f"round failed: {e!r}", epoch)
+            return RoundResult(Outcome.SKIPPED, f"round failed: {e!r}", epoch, late_consumed=has_stale)
         finally:
             del stale_shared
         result.window_s, result.allreduce_deadline_s = deadlines.window_s, deadlines.allreduce_s

@@ -199,6 +199,8 @@ class RoundProcessMixin:
             if plan.with_stale:
                 if stale is None or len(stale) != self.num_tensors:
                     stale = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
+                else:
+                    result.late_consumed = True  # scaled below and overwritten by the all-reduce, in place
                 tensors += stale
             with torch.no_grad():
                 for i, tensor in enumerate(tensors):

@@ -112,6 +112,9 @@ class FakePort:
     """What ``delta_buffers`` offers (the swarm's shared averaging buffer); None: the driver's own."""
     garble: bool = False
     """A failed all-reduce that leaves garbage in the offered buffer."""
+    shares_late: bool = False
+    """Like the swarm's averager: a round whose group formed scales the late work in place and writes the
+    group's values into it (``RoundResult.late_consumed``)."""
     sent: list = field(default_factory=list)
 
     def observe(self, epoch: int) -> Observation:
@@ -136,7 +139,11 @@ class FakePort:
         self.sent.append(delta)
         if self.garble and self.buffers is not None:
             self.buffers[0].fill_(123.0)
-        return self.results.pop(0)
+        result = self.results.pop(0)
+        if self.shares_late and stale is not None and result.late_consumed:
+            for t in stale:
+                t.mul_(0.5).add_(77.0)  # scaled, then partly the group's values: neither ours nor theirs
+        return result
 
     def resync(self, min_epoch: int) -> bool:
         self.calls.append(("resync", min_epoch))
@@ -236,6 +243,46 @@ def test_a_round_the_others_finished_resyncs_and_folds_our_work_late() -> None:
     assert (epoch, staleness, stale_weight) == (1, 1, 4.0) and stale.tolist() == [-1.0] * 4
     assert report.outcome is Outcome.FOLDED_LATE and report.late_folded == 1 and driver.pending.late is None
     assert params[0].tolist() == [6.5] * 4  # 5 - (-1) - (-0.5)
+
+
+def _late_then_fold(port: FakePort) -> tuple[RoundDriver, list[torch.Tensor]]:
+    """A peer that missed epoch 0 (its work, -1 per value, kept as late work) and now folds it in epoch 1."""
+    driver, params = make(port)
+    train(driver, params, 1.0)
+    assert driver.end(4, RoundReport(epoch=0), 1.0).outcome is Outcome.RESYNCED
+    port.swarm = 1
+    train(driver, params, 1.0)
+    return driver, params
+
+
+def test_late_work_a_failed_fold_round_wrote_into_is_dropped_not_folded_later() -> None:
+    # the fold round's group formed, the all-reduce wrote into the late work, then failed; nobody advanced
+    failed = RoundResult(Outcome.SKIPPED, "partial all-reduce", 1, late_consumed=True)
+    port = FakePort(swarm=0, swarm_after=1, donor=([torch.full((4,), 5.0)], 1), shares_late=True,
+                    results=[RoundResult(Outcome.SKIPPED, "partial all-reduce", 0), failed])
+    driver, params = _late_then_fold(port)
+    port.swarm_after = None
+    report = driver.end(4, RoundReport(epoch=1), 1.0)
+    assert report.outcome is Outcome.SKIPPED and driver.pending.train_on
+    assert driver.pending.late is None  # before: kept, holding 0.5 * late + 77, folded into the next round
+    port.results.append(averaged(1, -2.0))
+    train(driver, params, 1.0)
+    driver.end(4, RoundReport(epoch=1), 1.0)
+    assert last_average(port)[4] is None  # nothing corrupted went on the wire
+
+
+def test_late_work_survives_a_fold_round_that_failed_before_touching_it() -> None:
+    port = FakePort(swarm=0, swarm_after=1, donor=([torch.full((4,), 5.0)], 1), shares_late=True,
+                    results=[RoundResult(Outcome.SKIPPED, "partial all-reduce", 0),
+                             RoundResult(Outcome.SKIPPED, "no group formed", 1),
+                             averaged(1, -1.0, stale_term=-0.5, stalenesses=(0, 1))])
+    driver, params = _late_then_fold(port)
+    port.swarm_after = None
+    assert driver.end(4, RoundReport(epoch=1), 1.0).outcome is Outcome.SKIPPED
+    assert driver.pending.late is not None and driver.pending.late.delta[0].tolist() == [-1.0] * 4
+    train(driver, params, 1.0)
+    assert driver.end(4, RoundReport(epoch=1), 1.0).outcome is Outcome.FOLDED_LATE
+    assert last_average(port)[4].tolist() == [-1.0] * 4
 
 
 def test_without_a_donor_the_work_is_carried_not_stashed() -> None:
