@@ -177,8 +177,8 @@ class Swarm:
         return sha
 
     def withdraw(self) -> None:
-        """The served state is about to change; downloads in flight end first (at most
-        ``state_download_timeout_s``, a joiner's own limit)."""
+        """The served state is about to change; downloads in flight end first (at most a share of the round,
+        ``core.chunks.ServeWait``, and never past ``state_download_timeout_s``, a joiner's own limit)."""
         if self.server is not None:
             self.server.withdraw(self.cfg.state_download_timeout_s)
 
