@@ -188,10 +188,10 @@ class Swarm:
             self.server.withdraw_update(self.cfg.state_download_timeout_s)
 
     def download_update(self, templates: Sequence[torch.Tensor], base_sha: str, base_epoch: int,
-                        timeout: float) -> SwarmUpdate | None:
+                        timeout: float, trusted: frozenset[str] | None = None) -> SwarmUpdate | None:
         """The last round's update from state ``base_sha`` (epoch ``base_epoch``), from every donor serving
-        it; see ``swarm.catchup``."""
-        return download_update(self.averager, templates, base_sha, base_epoch, timeout=timeout)
+        it, ``trusted`` donors first; see ``swarm.catchup``."""
+        return download_update(self.averager, templates, base_sha, base_epoch, timeout=timeout, trusted=trusted)
 
     def fresh_buffers(self) -> list[torch.Tensor] | None:
         """The averager's shared fresh buffers, to write a pseudo-gradient into (None while a round holds

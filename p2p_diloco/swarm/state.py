@@ -87,13 +87,16 @@ class SwarmState:
     params_sha256: str
     """``checksum.params_sha256`` of the parameters alone (part of the above: reused, not hashed again)."""
     donor: str
-    """Peer id the state came from."""
+    """Peer id that delivered the most verified chunks of it (``""`` when all came from a partial download
+    kept on disk): whom a log names. Whom the loading peer vouches for is ``core.evidence.credited``'s."""
     rejected: tuple[str, ...] = ()
     """Donors tried before or dropped during the download, each as "peer id: reason"."""
     sources: tuple[str, ...] = ()
     """Every donor asked for chunks of this state (``donor`` first)."""
     params_manifest: TensorManifest | None = None
     """The parameters' manifest (its ``sha`` is ``params_sha256``): serving the state needs no hash pass."""
+    delivered: dict[str, int] | None = None
+    """Donor -> verified chunks it delivered (a donor that sent a bad chunk is not in it)."""
 
 
 class StateSharingMixin:
@@ -442,9 +445,10 @@ def download_state(
         if problem is not None:
             return None, problem, False
         n = len(template_params)
+        top = max(served, key=lambda p: (served[p], p == peer), default="")
         state = SwarmState(params=dest[:n], opt_tensors=dest[n:], epoch=meta["ep"], state_sha256=sha,
                            params_sha256=manifest_sha(layouts[0], chunks.region_bytes[0], meta["pc"]),
-                           donor=peer, rejected=tuple(rejected), sources=tuple(sources),
+                           donor=top, rejected=tuple(rejected), sources=tuple(sources), delivered=dict(served),
                            params_manifest=TensorManifest(manifest_sha(layouts[0], chunks.region_bytes[0],
                                                                        meta["pc"]), meta["pc"]))
         return state, None, False
@@ -456,7 +460,8 @@ def download_state(
             break
         state, problem, vetoed = attempt(peer, count_votes=True)
         if state is not None:
-            logger.info("Loaded state of epoch %d from %d donor(s), first %s", state.epoch, len(state.sources), peer)
+            logger.info("Loaded state of epoch %d from %d donor(s), most of it from %s", state.epoch,
+                        len(state.sources), state.donor or "our partial download")
             return state
         logger.warning("Rejected state from %s: %s", peer, problem)
         rejected.append(f"{peer}: {problem}")
