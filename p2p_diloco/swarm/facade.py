@@ -28,6 +28,7 @@ from p2p_diloco.swarm.records import (
     PeerProgress,
     fetch_checksums,
     fetch_progress,
+    other_versions,
     publish_checksum,
     publish_progress,
     run_validator,
@@ -108,6 +109,17 @@ class Swarm:
         return [a for a in visible_maddrs(self.dht) if "/p2p-circuit" not in a] if self.dht else []
 
     # ------------------------------------------------------------------ records
+
+    def other_versions(self) -> dict[int, int]:
+        """Peers of this run under other protocol versions' names (``records.other_versions``): ``{version:
+        peers}``; empty when there are none or the DHT does not answer."""
+        if self.dht is None:
+            return {}
+        try:
+            return other_versions(self.dht, self.cfg.run_id)
+        except Exception as e:  # noqa: BLE001 - a look that failed only costs the warning
+            logger.debug("Could not look for peers of other protocol versions: %r", e)
+            return {}
 
     def all_records(self) -> list[PeerProgress]:
         """Every valid progress record of this run, any model (to refuse a run of another model); empty when

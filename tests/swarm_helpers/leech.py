@@ -36,6 +36,7 @@ from p2p_diloco.core.chunks import DIGEST_BYTES
 from p2p_diloco.swarm.averager import RoundAverager
 from p2p_diloco.swarm.chunk_transfer import MANIFEST, encode_request
 from p2p_diloco.swarm.dht import ensure_identity
+from p2p_diloco.swarm.protocol import averager_prefix
 from p2p_diloco.swarm.records import fetch_progress
 from p2p_diloco.swarm.signing import load_identity_key
 
@@ -94,7 +95,7 @@ def main() -> None:
     while not stopping and time.monotonic() < deadline and not donors:  # the model and its donors
         records = fetch_progress(dht, run)
         if records:
-            prefix = f"{run}_{records[0].fingerprint[:16]}"
+            prefix = averager_prefix(run, records[0].fingerprint)
             found = dht.get(f"{prefix}.all_averagers", latest=True)
             if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict):
                 donors = [PeerID(k).to_base58() for k, v in found.value.items() if v.value is not None]

@@ -27,6 +27,7 @@ from p2p_diloco.peer.faults import NO_FAULTS
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.swarm.checksum import params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.group import MemberInfo
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 from p2p_diloco.swarm.records import ProgressRecord
 
 SYBILS = [f"sybil{i}" for i in range(10)]
@@ -88,7 +89,7 @@ def test_epochs_past_the_limit_are_never_believed_nor_loaded() -> None:
     with pytest.raises(ValueError, match="epoch must be an integer within"):
         state.load_state_tensors(state.state_tensors(), EPOCH_LIMIT + 1)
     record = dict(epoch=EPOCH_LIMIT + 1, inner_step=0, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                  fingerprint="abcdef01", time=1.0, client_mode=False, phase_s=0.0)
+                  fingerprint="abcdef01", time=1.0, client_mode=False, phase_s=0.0, protocol=PROTOCOL_VERSION)
     with pytest.raises(ValueError):
         ProgressRecord.parse_obj(record)
     # An epoch at the limit still leaves the wire format (10**9) all the headroom a run could use.
