@@ -68,6 +68,8 @@ class SwarmPort:
         self.writer: threading.Thread | None = None
         """A checkpoint being written from the live anchors (``peer.resume.CheckpointWriter``)."""
         self._zeros: list[torch.Tensor] | None = None
+        self._update_fetch_s = 0.0
+        """How long the last missed round's update took to fetch: a floor on how far the swarm is into its phase."""
         self.network_s = 0.0
         """Seconds spent in calls that talk to the swarm since the session last reset it (the round's
         overhead is the rest of ``end_round``)."""
@@ -239,8 +241,9 @@ class SwarmPort:
         self.serve(checksum=False, manifest=manifest)
         # The donors served epoch ``state.epoch`` from the moment they stepped to it, before this download
         # began: its time is a lower bound on how far they are, measured here, which no record can lower. After
-        # a missed round was applied the swarm's phase began during the download: the records alone say.
-        downloaded_s = time.monotonic() - began if epoch == state.epoch else 0.0
+        # a missed round was applied the swarm's phase began during the download, but before the update was
+        # served: its fetch time is the floor (a believed record of phase_s 0 made a joiner plan the full H).
+        downloaded_s = time.monotonic() - began if epoch == state.epoch else self._update_fetch_s
         self.late_start_s = self._phase_elapsed(epoch, floor_s=downloaded_s)
         logger.info("Synchronised to epoch %d from %s", epoch, state.donor)
         return True
@@ -321,10 +324,12 @@ class SwarmPort:
         limit = self.swarm.cfg.state_download_timeout_s if timeout is None else timeout
         # at least half the download's own limit (the update is half a state or less): a download that used
         # most of its limit left the update too little time (1 Mbit/s: 30 s left for 27 s of update, cut)
+        fetch_began = time.monotonic()
         with self._network():
             update = self.swarm.download_update(state.params, state.state_sha256, state.epoch,
                                                 max(limit / 2, limit - (time.monotonic() - began)),
                                                 trusted=self.trusted_or_none())
+        self._update_fetch_s = time.monotonic() - fetch_began  # the update was served from the swarm's step on
         if update is None:
             logger.info("The swarm is at epoch %d and no donor serves the round we missed; loading epoch %d",
                         state.epoch + 1, state.epoch)
