@@ -80,18 +80,18 @@ def main() -> None:
     while not stopping and time.monotonic() < deadline and not capture.exists():
         report["served"] = server.served
         _write(out_path, report)
-        honest = max((r.epoch for r in fetch_progress(dht, run) if r.fingerprint == fingerprint), default=epoch)
-        if honest <= epoch:
-            time.sleep(0.2)
-            continue
-        update = download_update(averager, anchors, sha, epoch, timeout=10) if honest == epoch + 1 else None
-        if update is None:  # it fell further behind: a whole state again
-            got = download_state(averager, template, [torch.zeros_like(t) for t in template], timeout=20)
-            if got is not None:
-                server.withdraw(0.0)
-                anchors, momentum, epoch, sha = got.params, got.opt_tensors, got.epoch, got.state_sha256
-                server.publish(anchors, momentum, epoch)
-                averager.state_sharing_priority = PRIORITY
+        # Asked at once, not when the records say so: a donor serves a round's update for one inner phase only.
+        update = download_update(averager, anchors, sha, epoch, timeout=5)
+        if update is None:
+            honest = max((r.epoch for r in fetch_progress(dht, run) if r.fingerprint == fingerprint), default=epoch)
+            if honest > epoch + 1:  # it fell behind: a whole state again
+                got = download_state(averager, template, [torch.zeros_like(t) for t in template], timeout=20)
+                if got is not None:
+                    server.withdraw(0.0)
+                    anchors, momentum, epoch, sha = got.params, got.opt_tensors, got.epoch, got.state_sha256
+                    server.publish(anchors, momentum, epoch)
+                    averager.state_sharing_priority = PRIORITY
+            time.sleep(0.1)
             continue
         stepped = [a.clone() for a in anchors]
         outer = OuterOptimizer(stepped, lr=OUTER_LR, momentum=OUTER_MOMENTUM)
