@@ -499,3 +499,28 @@ def test_an_update_without_terms_or_with_absurd_values_is_refused() -> None:
     assert implausible([torch.ones(4)]) is None
     assert "beyond" in implausible([torch.tensor([0.0, 3e38])])
     assert "NaN or infinite" in implausible([torch.tensor([float("-inf")])])
+
+
+def test_after_a_missed_round_the_first_phase_is_floored_by_the_updates_fetch_time(monkeypatch) -> None:  # noqa: ANN001
+    """The donors served the update from their step on: its fetch time is a floor on how far the swarm is into
+    its phase. A believed record of ``phase_s`` 0 made a joiner plan the full H and arrive late."""
+    clock = Clock()
+    monkeypatch.setattr("p2p_diloco.peer.port.time", SimpleNamespace(monotonic=clock))
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    base = (download.state_sha256, 3)
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+
+    class SlowUpdate(ScriptedSwarm):
+        def download_update(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            clock.now += 7.0
+            return super().download_update(*args, **kwargs)
+
+    swarm = SlowUpdate(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=download,
+                       votes={"a": swarm_sha, "b": swarm_sha}, phases={"a": (0.0, 0.0), "b": (0.0, 0.0)},
+                       update=SimpleNamespace(base=base, fresh=fresh, stale=None, result_sha=swarm_sha, donor="a",
+                                              sources=("a", "b"), delivered={"a": 1}, vouching="a"))
+    port, state = _port(swarm)
+    assert port.resync(3) and state.epoch == 4
+    assert port.late_start_s == pytest.approx(7.0)  # the records say 0 s into epoch 4's phase; the fetch, 7
