@@ -191,12 +191,14 @@ class ChunkPlan:
         return back
 
 
-SERVE_WAIT_SHARE = 0.25
+SERVE_WAIT_SHARE = 0.15
 """The most a donor waits for downloads of its state before it changes it, as a share of the time it worked
-since it last did (:class:`ServeWait`). It bounds what anybody downloading from it can cost its round: 1.25x
-at worst, whatever the downloader does. A quarter: a joiner whose download outlasts it is cut at the round's
-end and starts over on the new state right away, from the moment it is served, so any download shorter than
-a round completes on its second try at the latest."""
+since it last did (:class:`ServeWait`). It bounds what anybody downloading from it can cost its round: 1.15x
+at worst from the waits, whatever the downloader does (serving costs bandwidth and CPU on top). Why not less:
+a joiner whose download outlasts it is cut at the round's end and starts over on the new state right away,
+from the moment it is served, so a download shorter than a round completes on its second try at the latest;
+the share is slack for one that began late in the round, and it is what lets a loopback swarm's sub-second
+downloads finish within rounds of a few seconds."""
 
 
 class ServeWait:

@@ -5,8 +5,8 @@ Serving: a donor announces itself under ``{prefix}.all_averagers`` with its epoc
 state protocol) and answers ``rpc_state_chunk`` (``swarm.chunk_transfer``) with its manifest (msgpack
 metadata and the sha256 of every 1 MiB chunk, ``core.chunks``) or one chunk's bytes (nothing is pickled).
 It serves its live anchors and momentum, not a copy: before they change (an outer step, a resync) the host
-withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most a quarter of the
-time it worked since it last did, ``core.chunks.ServeWait``, which no downloader can stretch; a joiner
+withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most 15% of the time
+it worked since it last did, ``core.chunks.ServeWait``, which no downloader can stretch; a joiner
 that fetched a chunk in the last ``_PIN_S`` counts as in flight), and bumps a version that a stream checks
 before every message it sends; so a chunk is either of one epoch or cut short (the joiner then fetches it
 from another donor, or the new state). hivemind's whole-state stream (``rpc_download_state``) is closed. A

@@ -41,7 +41,7 @@ from p2p_diloco.swarm.records import fetch_progress
 from p2p_diloco.swarm.signing import load_identity_key
 
 LOOPS = 4
-PAUSE_S = 0.5
+PAUSE_S = 1.0
 
 
 async def _answer(stub: Any, sha: str | None, index: int) -> tuple[bytes, int]:
