@@ -64,14 +64,17 @@ def _together(tmp: Path, name: str, after: float = 0.0) -> list[dict]:
             if r["outcome"] == "averaged" and r["group_size"] == len(NAMES) and r["time"] > after]
 
 
-def test_a_relay_that_served_a_catch_up_cannot_then_capture_the_swarm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("organisers", [True, False], ids=["trusted-peers", "vouched-only"])
+def test_a_relay_that_served_a_catch_up_cannot_then_capture_the_swarm(tmp_path: Path, organisers: bool) -> None:
+    """``organisers``: the honest peers list each other in ``--trusted-peers``; else they trust each other only
+    from the rounds they averaged together (vouched), before the relay comes."""
     ids = {n: ensure_identity(str(tmp_path / f"{n}.key")) for n in NAMES}
     trusted = tmp_path / "trusted.txt"
     trusted.write_text("".join(f"{i}\n" for i in ids.values()))
     boot, maddr = start_bootstrap(tmp_path)
     # rounds of FAST's 10 local steps: a donor serves a round's update for one inner phase, and the relay must
     # fetch it within that to serve it on
-    args = ("--run-id", "cap", "--max-rounds", "200", "--trusted-peers", str(trusted))
+    args = ("--run-id", "cap", "--max-rounds", "200", *(("--trusted-peers", str(trusted)) if organisers else ()))
     procs = {n: start_peer(tmp_path, n, maddr, *args, "--identity-path", str(tmp_path / f"{n}.key"),
                            faults=SLOW if n == "c" else "") for n in NAMES}
     out = tmp_path / "relay.json"
