@@ -311,3 +311,31 @@ def test_a_download_that_never_ends_holds_a_withdrawal_only_for_the_rounds_budge
     server.withdraw_update(600.0)  # nothing served: returns at once
     assert averager.bumps == 1 and server.cut_off == 1  # the download was cut off: the stream stops
     assert server.waited_s < 30.0  # a budget of 0.1 s, with room for a loaded machine
+
+
+class _BadChunkDonor(_FakeAverager):
+    """Two donors of one state: "bad", listed first (priority 10^6), sent one chunk, then one that failed its
+    hash; "good" sent the rest."""
+
+    def state_donors(self) -> list[tuple[str, float]]:
+        return [("bad", 1e6), ("good", 3.0)]
+
+    def fetch_chunks(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        result = super().fetch_chunks(*args, **kwargs)
+        return dict(result, dropped={"bad": "chunk 2 failed its hash"},
+                    served={"bad": 1, "good": len(result["done"]) - 1})
+
+
+def test_a_donor_listed_first_that_sent_a_bad_chunk_earns_nothing(monkeypatch: Any) -> None:
+    import p2p_diloco.swarm.state as state_module
+    from p2p_diloco.core.evidence import credited
+
+    monkeypatch.setattr(state_module, "fetch_checksums", lambda *_: {})
+    params, momentum = _state()
+    averager = _BadChunkDonor(params, momentum, cut_after=None)
+    templates = ([torch.zeros_like(t) for t in params], [torch.zeros_like(t) for t in momentum])
+    state = download_state(averager, *templates, min_epoch=0)  # type: ignore[arg-type]
+    assert state is not None and state.sources[0] == "bad"  # asked first, as its priority claims
+    assert state.delivered == {"good": 3} and state.donor == "good"  # its verified chunk counts for nothing
+    assert credited(state.delivered, None) == "good"  # a newcomer would vouch for the donor that delivered
+    assert any(line.startswith("bad: chunk 2 failed its hash") for line in state.rejected)
