@@ -36,9 +36,11 @@ SHARED_BYTES_PER_PARAM = 12
 """Shared memory a peer holds all the time, per parameter: anchors (4), outer momentum (4) and the averager's
 pseudo-gradient buffer (4), all fp32."""
 
-SHARED_PEAK_EXTRA_PER_PARAM = 8
+SHARED_PEAK_EXTRA_PER_PARAM = 16
 """More shared memory for a while, per parameter: a state download's parameters and momentum until they are
-verified and loaded (8), or, in a round that folds late work, that work's buffer (4)."""
+verified and loaded (8), plus, when the swarm moved on during the download, the round update applied to it
+(``swarm.catchup``: the fresh mean, 4, and the late-work term of a round that folded late work, 4); or, in a
+round that folds late work, that work's buffer (4). Sized for the worst: a full ``/dev/shm`` is a SIGBUS."""
 
 CPU_WEIGHTS_BYTES_PER_PARAM = 4
 """A CPU peer's weights go to shared memory too (see the module docstring): 4 more per parameter."""

@@ -228,19 +228,21 @@ def _probe_config(swarm, maddr: str):
                                identity_path=None, client_mode=True, nat_port_map=False)
 
 
-def probe_initial_peer(swarm, maddr: str) -> tuple[Check, list | None]:
-    """Dial ``maddr`` from a throwaway node; when it answers, also read the run's progress records through it.
+def probe_initial_peer(swarm, maddr: str) -> tuple[Check, list | None, dict[int, int]]:
+    """Dial ``maddr`` from a throwaway node; when it answers, also read the run's progress records through it,
+    and look for peers of the run under other protocol versions' names (``swarm.protocol``).
 
-    Returns the check and the records (``None`` when the peer did not answer or the read failed).
+    Returns the check, the records (``None`` when the peer did not answer or the read failed) and ``{version:
+    peers}`` of other versions.
     """
     from p2p_diloco.swarm.dht import SwarmStartError, start_dht
-    from p2p_diloco.swarm.records import fetch_progress
+    from p2p_diloco.swarm.records import fetch_progress, other_versions
 
     try:
         dht = start_dht(_probe_config(swarm, maddr))
     except SwarmStartError as e:
-        return Check(f"initial peer {maddr}", "fail", f"not checked, a probe daemon did not start: {e}"), None
-    records = None
+        return Check(f"initial peer {maddr}", "fail", f"not checked, a probe daemon did not start: {e}"), None, {}
+    records, versions = None, {}
     try:
         probe = functools.partial(_probe, maddr, swarm.startup_timeout_s)
         # the probe bounds its dial and its ping; this bound only guards against a wedged DHT process
@@ -252,11 +254,29 @@ def probe_initial_peer(swarm, maddr: str) -> tuple[Check, list | None]:
         if outcome == "ok":
             try:
                 records = fetch_progress(dht, swarm.run_id)
+                versions = other_versions(dht, swarm.run_id)
             except Exception as e:  # the peer answered a ping; a failed read only costs the swarm line
                 logger.warning("Could not read the run's progress through %s: %s", maddr, e)
     finally:
         dht.shutdown()
-    return _peer_check(maddr, outcome, info, swarm.startup_timeout_s, swarm.dht_wait_timeout_s), records
+    return _peer_check(maddr, outcome, info, swarm.startup_timeout_s, swarm.dht_wait_timeout_s), records, versions
+
+
+def classify_versions(versions: dict[int, int], records: Sequence, run_id: str) -> Check | None:
+    """A version mismatch: peers of this run that publish under another protocol version's names (another
+    release). They and this peer would not see each other (each side averages among its own, nobody is
+    banned): a fail when nobody of our version is there, else a warning."""
+    if not versions:
+        return None
+    from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
+
+    found = ", ".join(f"{n} peer(s) on protocol version {v}" for v, n in sorted(versions.items()))
+    status = "warn" if records else "fail"
+    return Check("protocol version", status,
+                 f"run {run_id!r} has {found}; this release speaks version {PROTOCOL_VERSION}, so run_peer would "
+                 f"not see them{'' if records else ' and train alone'}",
+                 "install the release the run's organisers name (pip install -U p2p_diloco, or their tag), "
+                 "on this machine or on theirs")
 
 
 def classify_swarm(records: Sequence, run_id: str, fingerprint: str | None, client_mode: bool = False) -> Check:
@@ -373,7 +393,7 @@ def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
     finally:
         dht.shutdown()
     probed = [probe_initial_peer(cfg.swarm, maddr) for maddr in cfg.swarm.initial_peers]
-    peers = [check for check, _ in probed]
+    peers = [check for check, _, _ in probed]
     if peers and not any(c.status == "ok" for c in peers):
         checks += peers
         checks.append(Check("initial peers", "fail", "none of the initial peers answered, so run_peer would "
@@ -381,9 +401,13 @@ def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
     elif peers:
         # hivemind needs one answering initial peer; the others only add redundancy
         checks += [dataclasses.replace(c, status="warn") if c.status == "fail" else c for c in peers]
-        records = next((r for _, r in probed if r is not None), None)
+        records = next((r for _, r, _ in probed if r is not None), None)
         if records is not None:
             checks.append(classify_swarm(records, cfg.run.run_id, fingerprint, cfg.swarm.client_mode))
+            versions = next((v for _, r, v in probed if r is not None), {})
+            mismatch = classify_versions(versions, records, cfg.run.run_id)
+            if mismatch is not None:
+                checks.append(mismatch)
     else:
         checks.append(Check("initial peers", "ok", "none given: this peer would start a new swarm"))
     return checks + [reachability]

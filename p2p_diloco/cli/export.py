@@ -43,6 +43,7 @@ from p2p_diloco.cli.model_source import (
     add_source_argument,
     load_model,
     quiet_progress_bars,
+    resolve_source,
 )
 from p2p_diloco.models import PRESETS, count_parameters
 from p2p_diloco.peer.config import PeerConfig
@@ -170,6 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage_error(PROG, str(e))
     if args.push_to_hub is not None and args.push_to_hub.count("/") > 1:
         usage_error(PROG, f"--push-to-hub {args.push_to_hub!r}: give a repository as user/name or name")
+    if args.push_to_hub and resolve_source(args.source, cfg) == "swarm" and not cfg.swarm.trusted_peers:
+        # Without trusted peers the state comes from whichever donor the largest believable epoch names: any
+        # free identity's, which the model card would then credit to the run's volunteers.
+        usage_error(PROG, "--push-to-hub from the live swarm needs --trusted-peers FILE (the run's organisers' "
+                          "peers), so that only a state they vouch for is published; or export to a folder "
+                          "without --push-to-hub, check it (run_peer evaluate), then push that folder")
     output = Path(args.output)
     if output.is_dir() and any(output.iterdir()) and not args.overwrite:
         usage_error(PROG, f"--output {str(output)!r} is not empty; pass --overwrite to replace it, or another folder")

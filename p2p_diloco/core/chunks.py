@@ -189,3 +189,44 @@ class ChunkPlan:
         back = [c for c in sorted(requests) if c not in self.done and self._holders(c) == 0]
         self.pending.extendleft(reversed(back))
         return back
+
+
+SERVE_WAIT_SHARE = 0.15
+"""The most a donor waits for downloads of its state before it changes it, as a share of the time it worked
+since it last did (:class:`ServeWait`). It bounds what anybody downloading from it can cost its round: 1.15x
+at worst from the waits, whatever the downloader does (serving costs bandwidth and CPU on top). Why not less:
+a joiner whose download outlasts it is cut at the round's end and starts over on the new state right away,
+from the moment it is served, so a download shorter than a round completes on its second try at the latest;
+the share is slack for one that began late in the round, and it is what lets a loopback swarm's sub-second
+downloads finish within rounds of a few seconds."""
+
+
+class ServeWait:
+    """How long a donor may still hold its round for the downloads of its state it serves: a per-round budget
+    no downloader can stretch.
+
+    Why not the joiner's own download limit (``state_download_timeout_s``, 600 s): that waited for any open
+    chunk stream, or a chunk served in the last 2 s, to anyone. One free identity fetching a chunk every
+    second kept it waiting the whole limit every round (measured: rounds of 0.7 s became 33 s at a 30 s limit).
+    Counting who downloads does not help either, as identities are free. The budget is instead a share of the
+    time the donor worked since its last cut (:meth:`cut`), which excludes the waits themselves, so however
+    long someone keeps downloading, the donor's rounds take at most ``1 + share`` times as long.
+
+    Args:
+        share: the budget per second worked (:data:`SERVE_WAIT_SHARE`).
+        clock: monotonic seconds (the simulator passes its virtual clock).
+    """
+
+    def __init__(self, share: float = SERVE_WAIT_SHARE, clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"the serving wait's share must be in [0, 1], got {share}")
+        self.share, self._clock = share, clock
+        self._since = clock()
+
+    def allowance(self, limit: float) -> float:
+        """Seconds the donor may wait now: ``share`` of the time since the last :meth:`cut`, at most ``limit``."""
+        return max(0.0, min(limit, self.share * (self._clock() - self._since)))
+
+    def cut(self) -> None:
+        """The wait ended (downloads done or cut off): the next budget accrues from now."""
+        self._since = self._clock()

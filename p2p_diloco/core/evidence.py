@@ -8,8 +8,15 @@ epochs and digests):
 
 - **Trusted peers** are the peers listed in ``--trusted-peers`` (a run's organisers) and the peers this peer
   *vouched for* itself: members of a group whose all-reduce it completed (they sent parts that passed every
-  check at receipt and confirmed the same result), and the donor whose verified state it loaded (its lineage
-  is now this peer's own). A record costs nothing; a vouch costs taking part in a real round with this peer.
+  check at receipt and confirmed the same result), and, for a peer that trusted nobody visible when it loaded
+  a verified state, the donor that delivered most of its verified bytes (its lineage is now this peer's
+  own; :func:`credited`). A record costs nothing; a vouch costs taking part in a real round with this peer.
+- **A relay earns nothing.** A state or round update that a peer accepted on trusted evidence (a trusted
+  donor, or a digest trusted voters published) vouches for nobody new: chunks are content-addressed, so any
+  identity can relay the honest swarm's bytes, and crediting it made one relayed manifest and two relayed
+  chunks enough to be trusted, then to serve a state of its own making at epoch +1000 to that peer and,
+  through it, to every peer that trusted it (a whole swarm with ``--trusted-peers``, measured). An identity
+  that delivered no verified byte is never credited, and the one named is the one that delivered the most.
 - **Anchored**: at least one trusted peer (other than this one) has a live progress record. An anchored
   peer believes only trusted peers' epochs: a Sybil's epoch +10^6 changes nothing for it. A peer that is not
   anchored (a newcomer, or one whose every trusted peer left) follows the largest epoch claimed, as before.
@@ -123,6 +130,17 @@ def state_verdict(donor: str, digest: str, votes: Mapping[str, str], trusted: fr
     return "the donor is not a trusted peer and no trusted peer published this checksum"
 
 
+def credited(delivered: Mapping[str, int], trusted: frozenset[str] | None) -> str | None:
+    """The identity a loaded state vouches for: ``None`` when it was accepted on trusted evidence (``trusted``
+    is not ``None``: a trusted donor or trusted voters vouched for its digest, and whoever relayed its bytes
+    proved nothing of its own), else the donor that delivered the most verified chunks (``delivered``: donor
+    -> count; ties go to the smallest id), never one that delivered none. See the module docstring."""
+    if trusted is not None:
+        return None
+    counted = [(n, peer) for peer, n in delivered.items() if n > 0]
+    return min(counted, key=lambda item: (-item[0], item[1]))[1] if counted else None
+
+
 MOVED_ON_PASSES = 3
 """Failed downloads in a row after which a donor that keeps moving on mid-download is ignored like any other
 (``Evidence.unbacked``). An honest swarm a joiner cannot keep up with is better served by the catch-up path
@@ -212,6 +230,16 @@ class Evidence:
         """This peer loaded ``donor``'s verified state: its lineage is ours now."""
         self.averaged_with([donor])
         self._passes.clear()
+
+    def loaded(self, delivered: Mapping[str, int], trusted: frozenset[str] | None) -> str | None:
+        """This peer loaded a verified state (or applied a verified round update) whose chunks ``delivered``
+        came from (donor -> verified chunks), checked against ``trusted`` (what :meth:`trusted_or_none` said
+        when the transfer began). Vouches for :func:`credited`'s choice; returns it, or ``None``."""
+        self._passes.clear()
+        donor = credited(delivered, trusted)
+        if donor is not None:
+            self.averaged_with([donor])
+        return donor
 
     def unbacked(self, claims: Sequence[Claim], min_epoch: int, served: Mapping[str, int] | None = None,
                  now: Sequence[Claim] = ()) -> dict[str, float]:

@@ -2,8 +2,9 @@
 swarm (the ``RoundPort`` of :mod:`p2p_diloco.core.round_driver`).
 
 It reads and writes the swarm only through :class:`p2p_diloco.swarm.facade.Swarm`, changes the outer state
-only by loading a verified download (stepped by the round it missed when the swarm moved on meanwhile, and
-checked again against the swarm's digest: ``swarm.catchup``), and tells listeners what happens. The decisions are not here: which
+only by loading a verified download or a verified round update (stepped by the round it missed when the swarm
+moved on meanwhile, on copies, and checked against the swarm's digest before anything live changes:
+``swarm.catchup``), and tells listeners what happens. The decisions are not here: which
 epochs, checksum votes and donors to believe is :class:`p2p_diloco.core.evidence.Evidence`'s, fed with what
 this peer saw (its completed rounds, its downloads, the failed ones).
 """
@@ -29,6 +30,7 @@ from p2p_diloco.core.rounds import Observation, RoundResult
 from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import FaultHooks
 from p2p_diloco.peer.report import SessionListener
+from p2p_diloco.swarm.catchup import implausible
 from p2p_diloco.swarm.checksum import TensorManifest, state_sha256, tensor_manifest
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT
@@ -70,6 +72,8 @@ class SwarmPort:
         self.writer: threading.Thread | None = None
         """A checkpoint being written from the live anchors (``peer.resume.CheckpointWriter``)."""
         self._zeros: list[torch.Tensor] | None = None
+        self._update_fetch_s = 0.0
+        """How long the last missed round's update took to fetch: a floor on how far the swarm is into its phase."""
         self.network_s = 0.0
         """Seconds spent in calls that talk to the swarm since the session last reset it (the round's
         overhead is the rest of ``end_round``)."""
@@ -200,13 +204,11 @@ class SwarmPort:
         self.withdraw()
         self._zeros = None
         if not again and not self.eager and min_epoch == self.state.epoch + 1:
-            caught = self._catch_up_live(self._base_sha or self.state_digest(), began, timeout)
-            if caught:
+            if self._catch_up_live(self._base_sha or self.state_digest(), began, timeout):
                 return True
-            if caught is None:  # the anchors changed and failed their check: only a download repairs them
-                known = None
         backed: dict[str, int] = {}
-        state = self._download(min_epoch, began, timeout, backed)
+        trusted = self.trusted_or_none()
+        state = self._download(min_epoch, began, timeout, backed, trusted)
         self.notify("state_transfer", "received", state is not None)
         if state is None:
             claims = self.claims
@@ -218,7 +220,7 @@ class SwarmPort:
                            f"{min(ignored.values()):.0f} s or more" if ignored else "")
             self.serve(checksum=False, manifest=known)
             return False
-        self.evidence.adopted_from(state.donor)
+        self.evidence.loaded(state.delivered or {}, trusted)  # a relay of trusted bytes earns nothing
         epoch, manifest = state.epoch, state.params_manifest  # the download was verified against it
         if not self.eager and self.swarm_epoch() == state.epoch + 1:
             stepped = self._apply_missed_round(state, began, timeout)
@@ -242,14 +244,15 @@ class SwarmPort:
         self.serve(checksum=False, manifest=manifest)
         # The donors served epoch ``state.epoch`` from the moment they stepped to it, before this download
         # began: its time is a lower bound on how far they are, measured here, which no record can lower. After
-        # a missed round was applied the swarm's phase began during the download: the records alone say.
-        downloaded_s = time.monotonic() - began if epoch == state.epoch else 0.0
+        # a missed round was applied the swarm's phase began during the download, but before the update was
+        # served: its fetch time is the floor (a believed record of phase_s 0 made a joiner plan the full H).
+        downloaded_s = time.monotonic() - began if epoch == state.epoch else self._update_fetch_s
         self.late_start_s = self._phase_elapsed(epoch, floor_s=downloaded_s)
         logger.info("Synchronised to epoch %d from %s", epoch, state.donor)
         return True
 
-    def _download(self, min_epoch: int, began: float, timeout: float | None,
-                  backed: dict[str, int]) -> SwarmState | None:
+    def _download(self, min_epoch: int, began: float, timeout: float | None, backed: dict[str, int],
+                  trusted: frozenset[str] | None) -> SwarmState | None:
         """The swarm's verified state of ``min_epoch`` or newer, asked for again (at most
         ``DOWNLOAD_ATTEMPTS`` times, within the one time limit) when an attempt failed while the swarm this peer
         believes stepped to a later epoch: the donors stopped serving the state being fetched because they
@@ -263,7 +266,7 @@ class SwarmPort:
             before = self.swarm_epoch()
             with self._network():
                 state = self.swarm.download(self.state.anchors, min_epoch, max(1.0, limit - (time.monotonic() - began)),
-                                            trusted=self.trusted_or_none(), backed=backed)
+                                            trusted=trusted, backed=backed)
             if state is not None or limit - (time.monotonic() - began) < 1.0:
                 return state
             after = self.swarm_epoch()
@@ -285,40 +288,59 @@ class SwarmPort:
                                   if r.epoch == epoch and r.peer_id in believed and not r.client_mode)
         return floor_s if elapsed is None else max(floor_s, elapsed)
 
-    def _catch_up_live(self, base: str, began: float, timeout: float | None) -> bool | None:
+    def _catch_up_live(self, base: str, began: float, timeout: float | None) -> bool:
         """One round behind with the swarm's own state of the round before (a peer that loaded a state while
-        the swarm averaged it, then missed that round's group): fetch that round's update and apply it to the
-        live anchors and momentum (``swarm.catchup``; donors serve it only for this exact base digest), instead
-        of downloading a whole state that can take longer than the swarm's round (measured at 1 Mbit/s: a
-        6.7 MB state against 63 s rounds, and the download failed when the donors stepped on). ``True``:
-        caught up and verified; ``False``: no donor serves it (nothing changed); ``None``: the result failed
-        its checks, the live state changed and only a download repairs it (the caller downloads)."""
+        the swarm averaged it, then missed that round's group): fetch that round's update and apply it
+        (``swarm.catchup``; donors serve it only for this exact base digest), instead of downloading a whole
+        state that can take longer than the swarm's round (measured at 1 Mbit/s: a 6.7 MB state against 63 s
+        rounds, and the download failed when the donors stepped on).
+
+        The update is applied to copies of the anchors and momentum (8 bytes/param of ordinary memory while
+        this runs, beside the update's 4 to 8 in shared memory) and the result replaces the live state only
+        once its values and digest passed every check: a hostile or broken update leaves this peer on its last
+        verified state, serving it, whatever happens next. ``True``: caught up and verified; ``False``:
+        nothing changed (no donor serves it, or it failed a check; the caller downloads)."""
         limit = self.swarm.cfg.state_download_timeout_s if timeout is None else timeout
-        epoch = self.state.epoch
+        epoch, trusted = self.state.epoch, self.trusted_or_none()
         with self._network():
             update = self.swarm.download_update(self.state.anchors, base, epoch,
-                                                max(1.0, limit - (time.monotonic() - began)))
+                                                max(1.0, limit - (time.monotonic() - began)), trusted=trusted)
         if update is None:
             return False
         fetched_s = time.monotonic() - began
-        self.state.apply(RoundAggregate(update.fresh, update.stale, None), self.params)  # type: ignore[arg-type]
+        anchors = [a.detach().to("cpu", copy=True) for a in self.state.anchors]
+        momentum = [m.detach().to("cpu", copy=True) for m in self.state.outer.momentum_buffers() if m is not None]
+        outer = OuterOptimizer(anchors, lr=self.state.outer.lr, momentum=self.state.outer.momentum)
+        if len(momentum) == len(anchors) and outer.momentum > 0:
+            outer.load_state_tensors({f"{MOMENTUM_KEY_PREFIX}{i}": t for i, t in enumerate(momentum)}, take=True)
+        apply_round(outer, RoundAggregate(update.fresh, update.stale, None))  # type: ignore[arg-type]
         update.fresh = update.stale = None
-        manifest = tensor_manifest(self.state.anchors)
-        sha = state_sha256(self.state.anchors, self._momentum(), params_sha=manifest.sha)
+        stepped = [m if m is not None else torch.zeros_like(a) for m, a in zip(outer.momentum_buffers(), anchors,
+                                                                                   strict=True)]
+        problem = implausible(anchors) or implausible(stepped)
+        manifest = tensor_manifest(anchors)
+        sha = state_sha256(anchors, stepped, params_sha=manifest.sha)
         with self._network():
             votes = self.swarm.checksum_votes(epoch + 1)
-        verdict = state_verdict(update.donor, sha, votes, self.trusted_or_none())
+        verdict = problem or state_verdict(update.vouching or update.donor, sha, votes, trusted)
         if sha != update.result_sha or verdict is not None:
-            logger.warning("The update of epoch %d from %s does not lead to the swarm's state (%s); downloading "
-                           "the whole state", epoch, update.donor,
+            logger.warning("The update of epoch %d from %s does not lead to the swarm's state (%s); our state is "
+                           "unchanged, downloading the whole state", epoch, update.donor or "nobody",
                            verdict or f"{sha[:12]}... instead of the claimed {update.result_sha[:12]}...")
-            return None
-        self.evidence.adopted_from(update.donor)
+            return False
+        tensors = {f"param.{i}": t for i, t in enumerate(anchors)}
+        if self.state.outer.momentum > 0:
+            tensors.update({f"{MOMENTUM_KEY_PREFIX}{i}": t for i, t in enumerate(stepped)})
+        self.state.load_state_tensors(tensors, epoch + 1, take=True)  # verified: now it becomes ours
+        del tensors, anchors, stepped, outer
+        self.state.begin(self.params)
+        credited = self.evidence.loaded(update.delivered or {}, trusted)
         self.serve(checksum=False, manifest=manifest)
         # the donors served the update from the moment they stepped: the fetch time is a lower bound
         self.late_start_s = self._phase_elapsed(self.state.epoch, floor_s=fetched_s)
-        logger.info("Applied the round of epoch %d we missed (from %d donor(s)) to our own state", epoch,
-                    len(update.sources))
+        logger.info("Applied the round of epoch %d we missed (from %d donor(s), most from %s%s) to our own state",
+                    epoch, len(update.sources), update.donor or "nobody",
+                    "" if credited is None else "; it is trusted from now on")
         return True
 
     def _apply_missed_round(self, state: SwarmState, began: float,
@@ -331,9 +353,12 @@ class SwarmPort:
         limit = self.swarm.cfg.state_download_timeout_s if timeout is None else timeout
         # at least half the download's own limit (the update is half a state or less): a download that used
         # most of its limit left the update too little time (1 Mbit/s: 30 s left for 27 s of update, cut)
+        fetch_began = time.monotonic()
         with self._network():
             update = self.swarm.download_update(state.params, state.state_sha256, state.epoch,
-                                                max(limit / 2, limit - (time.monotonic() - began)))
+                                                max(limit / 2, limit - (time.monotonic() - began)),
+                                                trusted=self.trusted_or_none())
+        self._update_fetch_s = time.monotonic() - fetch_began  # the update was served from the swarm's step on
         if update is None:
             logger.info("The swarm is at epoch %d and no donor serves the round we missed; loading epoch %d",
                         state.epoch + 1, state.epoch)
@@ -344,11 +369,12 @@ class SwarmPort:
                                      take=True)
         apply_round(outer, RoundAggregate(update.fresh, update.stale, None))  # type: ignore[arg-type]
         update.fresh = update.stale = None
+        problem = implausible(state.params) or implausible(state.opt_tensors)
         manifest = tensor_manifest(state.params)
         sha = state_sha256(state.params, state.opt_tensors, params_sha=manifest.sha)
         with self._network():
             votes = self.swarm.checksum_votes(state.epoch + 1)
-        verdict = state_verdict(update.donor, sha, votes, self.trusted_or_none())
+        verdict = problem or state_verdict(update.vouching or update.donor, sha, votes, self.trusted_or_none())
         if sha != update.result_sha or verdict is not None:
             logger.warning("The update of epoch %d from %s does not lead to the swarm's state (%s); downloading "
                            "the state again", state.epoch, update.donor,

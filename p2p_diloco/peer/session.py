@@ -58,6 +58,7 @@ from p2p_diloco.shared_memory import check_room, share_before_fork
 from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class SwarmSession:
         self.port.start()
         how = f"resumed at epoch {self.epoch}" if self._resumed else "fresh"
         self._refuse_other_models()
+        self._warn_other_versions()
         self.port.serve(checksum=False)
         self._publish_progress()
         swarm_epoch = self.port.swarm_epoch()
@@ -208,6 +210,20 @@ class SwarmSession:
         if problem is not None:
             raise SwarmStartError(problem)
         share_before_fork(host)
+
+    def _warn_other_versions(self) -> None:
+        """One clear line when peers of this run run another release (``swarm.protocol``): they and this peer
+        cannot see each other, so each side averages among its own, and nobody is banned for it. Looked up in
+        the background: lookups of keys nobody wrote take a while, and the start must not wait for them."""
+        def look() -> None:
+            others = self.swarm.other_versions()
+            if others:
+                found = ", ".join(f"{n} under protocol version {v}" for v, n in sorted(others.items()))
+                logger.warning("Peers of run %r run another release of p2p_diloco (%s; this one speaks version "
+                               "%d): they are neither averaged with nor banned. Run one release across the swarm "
+                               "(`run_peer doctor` shows it).", self.cfg.swarm.run_id, found, PROTOCOL_VERSION)
+
+        threading.Thread(target=look, name="protocol-versions", daemon=True).start()
 
     def _refuse_other_models(self) -> None:
         """Stop with a clear message when this run's peers all train another model than ours, on evidence.

@@ -44,6 +44,7 @@ from p2p_diloco.swarm.group import (
     encode_gather,
 )
 from p2p_diloco.swarm.patience import JoinTiming
+from p2p_diloco.swarm.protocol import averager_prefix
 from p2p_diloco.swarm.quorum import EarlyAssembly
 from p2p_diloco.swarm.registry import GroupRegistryMixin
 from p2p_diloco.swarm.round_process import RoundProcessMixin
@@ -70,7 +71,8 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
     :param cfg: swarm settings; the group sizes and deadlines come from here.
     :param fingerprint: 8-64 lowercase hex characters naming the model (``checksum.layout_fingerprint``).
       It is part of the matchmaking prefix, so peers of another model do not even match, and it is checked
-      again in the gathered metadata.
+      again in the gathered metadata. So is the protocol version (``swarm.protocol``): peers of another
+      release neither match nor find each other's state nor call each other's RPCs.
     :param compression: hivemind codec for the all-reduce parts (default: none). Pre-scaled values are about
       the size of the weighted mean, so relative-error codecs (fp16, 8-bit) behave as on plain gradients.
     :param fault_hook: test-only, see ``runner.FaultHook``.
@@ -122,7 +124,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             buffers,
             dht,
             start=False,
-            prefix=f"{cfg.run_id}_{fingerprint[:16]}",
+            prefix=averager_prefix(cfg.run_id, fingerprint),
             target_group_size=cfg.target_group_size,
             min_group_size=cfg.min_group_size,
             # hivemind waits at least this long in every window; the learned window lies between it and

@@ -17,9 +17,13 @@ design and publish no checksums).
 
 The transfer is the state's (``swarm.chunk_transfer``): the update is asked for by the digest of the state it
 applies to, its manifest checked against the digest the donor claims for it, its chunks fetched from every
-donor serving the same update, each checked on receipt. The result is checked by the caller after applying
-(``peer.port.SwarmPort``): its digest must equal the one the donor claimed, and that digest must pass
-``core.evidence.state_verdict`` for epoch ``e + 1``; otherwise the joiner downloads the state again.
+donor serving the same update, each checked on receipt, then every value (:func:`implausible`); an update
+with no terms is refused. Donors this peer trusts are asked first. The result is checked by the caller
+before it replaces anything (``peer.port.SwarmPort``, which applies the update to copies): its digest must
+equal the one the donor claimed, and that digest must pass ``core.evidence.state_verdict`` for epoch
+``e + 1``; otherwise the joiner downloads the state again. Whom it then vouches for is
+``core.evidence.credited``'s: only a donor that delivered verified chunks, and none when trusted evidence
+accepted the result.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _FIELDS = {"v", "run", "fp", "ep", "sha", "np", "no", "cs", "pc", "mc", "base", "to"}
+MAX_ABS_VALUE = 1e6
+"""The largest magnitude a value of a round's update, or of the state it leads to, may have. A round's fresh
+mean is an average of pseudo-gradients (how far H inner steps moved a parameter), and parameters and momentum
+of a trained model stay within a few hundred; 3e38 passes as finite and overflows to infinity on the step."""
 
 
 @dataclass
@@ -58,7 +66,14 @@ class SwarmUpdate:
     result_sha: str
     """The state digest the donors claim the update leads to."""
     donor: str
+    """The donor that delivered the most verified chunks (what a log names; ``""`` if none did)."""
     sources: tuple[str, ...]
+    delivered: dict[str, int] | None = None
+    """Donor -> verified chunks it delivered: whom ``core.evidence.credited`` may vouch for, never the donor
+    merely listed first (a relay of one manifest was credited, then trusted, before)."""
+    vouching: str = ""
+    """A trusted donor among those that delivered verified chunks and serve this update, else ``donor``:
+    whose word ``core.evidence.state_verdict`` weighs for the result."""
 
 
 def check_update_metadata(raw: bytes | str | None, run_id: str, fingerprint: str,
@@ -86,6 +101,8 @@ def check_update_metadata(raw: bytes | str | None, run_id: str, fingerprint: str
         return "invalid result checksum"
     if meta["np"] not in (0, len(layout)) or meta["no"] not in (0, len(layout)):
         return "update terms of another layout"
+    if meta["np"] == 0 and meta["no"] == 0:
+        return "an update with no terms (nothing to apply: a round always has a fresh mean or a late term)"
     chunks = _chunks(layout, meta["np"], meta["no"])
     for key, count in (("pc", chunks.region_chunks[0]), ("mc", chunks.region_chunks[1])):
         if not isinstance(meta[key], bytes) or len(meta[key]) != count * DIGEST_BYTES:
@@ -102,15 +119,33 @@ def _chunks(layout: list[tuple[torch.dtype, tuple[int, ...]]], n_fresh: int, n_s
     return ChunkMap([sizes[:n_fresh], sizes[:n_stale]])
 
 
+def implausible(tensors: Sequence[torch.Tensor], limit: float = MAX_ABS_VALUE) -> str | None:
+    """Why ``tensors`` cannot be a round's update or a state (a value not finite, or beyond ``limit`` in
+    magnitude), or ``None``."""
+    problem = nonfinite(tensors)
+    if problem is not None:
+        return problem
+    for i, tensor in enumerate(tensors):
+        if tensor.is_floating_point() and tensor.numel() and float(tensor.abs().max()) > limit:
+            return f"tensor {i} holds values beyond {limit:g} in magnitude"
+    return None
+
+
 def download_update(averager: RoundAverager, templates: Sequence[torch.Tensor], base_sha: str, base_epoch: int,
-                    *, timeout: float, max_donors: int = 8) -> SwarmUpdate | None:
+                    *, timeout: float, max_donors: int = 8, trusted: frozenset[str] | None = None
+                    ) -> SwarmUpdate | None:
     """The update from state ``base_sha`` (epoch ``base_epoch``) that donors at ``base_epoch + 1`` serve, or
-    ``None`` (nobody serves it: they moved on further, or the round was eager)."""
+    ``None`` (nobody serves it: they moved on further, or the round was eager). ``trusted``: as for
+    ``swarm.state.download_state``; their donors are asked first, then the rest by declared priority (a
+    claim, which put an attacker's relay first before)."""
     cfg = averager.cfg
     deadline = time.monotonic() + timeout
     layout = [(t.dtype, tuple(t.shape)) for t in templates]
     try:
-        donors = [peer for peer, _ in averager.state_donors()][:max_donors]
+        donors = [peer for peer, _ in averager.state_donors()]
+        if trusted:
+            donors.sort(key=lambda peer: peer not in trusted)  # stable: by priority within each kind
+        donors = donors[:max_donors]
         raw = averager.fetch_manifests(donors, base=base_sha, timeout=max(1.0, min(cfg.next_chunk_timeout_s, timeout)),
                                        max_bytes=max_manifest_bytes(_chunks(layout, len(layout), len(layout))))
     except Exception as e:  # noqa: BLE001 - no update: the caller downloads the state
@@ -133,14 +168,16 @@ def download_update(averager: RoundAverager, templates: Sequence[torch.Tensor], 
         dest = [torch.empty_like(t, memory_format=torch.contiguous_format).share_memory_()
                 for t in (*templates[:meta["np"]], *templates[:meta["no"]])]
         chunks = state_chunk_map(dest, meta["np"])
-        problem, dropped, _ = fetch_verified(averager, sources, meta, dest, chunks, None, deadline)
-        problem = problem or nonfinite(dest)
+        problem, dropped, served = fetch_verified(averager, sources, meta, dest, chunks, None, deadline)
+        problem = problem or implausible(dest)
         for donor, reason in dropped.items():
             logger.warning("Update donor %s dropped: %s", donor, reason)
         if problem is None:
             logger.info("Fetched the update of epoch %d -> %d from %d donor(s)", base_epoch, base_epoch + 1,
                         len(sources))
-            return SwarmUpdate(dest[:meta["np"]] or None, dest[meta["np"]:] or None, base_epoch, meta["to"], peer,
-                               tuple(sources))
+            top = max(served, key=lambda p: served[p], default="")
+            vouching = next((p for p in sources if trusted and p in trusted and served.get(p, 0) > 0), top)
+            return SwarmUpdate(dest[:meta["np"]] or None, dest[meta["np"]:] or None, base_epoch, meta["to"], top,
+                               tuple(sources), dict(served), vouching)
         logger.warning("Could not fetch the update of epoch %d from %s: %s", base_epoch, peer, problem)
     return None

@@ -28,6 +28,7 @@ from p2p_diloco.swarm.records import (
     PeerProgress,
     fetch_checksums,
     fetch_progress,
+    other_versions,
     publish_checksum,
     publish_progress,
     run_validator,
@@ -109,6 +110,17 @@ class Swarm:
 
     # ------------------------------------------------------------------ records
 
+    def other_versions(self) -> dict[int, int]:
+        """Peers of this run under other protocol versions' names (``records.other_versions``): ``{version:
+        peers}``; empty when there are none or the DHT does not answer."""
+        if self.dht is None:
+            return {}
+        try:
+            return other_versions(self.dht, self.cfg.run_id)
+        except Exception as e:  # noqa: BLE001 - a look that failed only costs the warning
+            logger.debug("Could not look for peers of other protocol versions: %r", e)
+            return {}
+
     def all_records(self) -> list[PeerProgress]:
         """Every valid progress record of this run, any model (to refuse a run of another model); empty when
         the DHT does not answer in time."""
@@ -177,8 +189,8 @@ class Swarm:
         return sha
 
     def withdraw(self) -> None:
-        """The served state is about to change; downloads in flight end first (at most
-        ``state_download_timeout_s``, a joiner's own limit)."""
+        """The served state is about to change; downloads in flight end first (at most a share of the round,
+        ``core.chunks.ServeWait``, and never past ``state_download_timeout_s``, a joiner's own limit)."""
         if self.server is not None:
             self.server.withdraw(self.cfg.state_download_timeout_s)
 
@@ -188,10 +200,10 @@ class Swarm:
             self.server.withdraw_update(self.cfg.state_download_timeout_s)
 
     def download_update(self, templates: Sequence[torch.Tensor], base_sha: str, base_epoch: int,
-                        timeout: float) -> SwarmUpdate | None:
+                        timeout: float, trusted: frozenset[str] | None = None) -> SwarmUpdate | None:
         """The last round's update from state ``base_sha`` (epoch ``base_epoch``), from every donor serving
-        it; see ``swarm.catchup``."""
-        return download_update(self.averager, templates, base_sha, base_epoch, timeout=timeout)
+        it, ``trusted`` donors first; see ``swarm.catchup``."""
+        return download_update(self.averager, templates, base_sha, base_epoch, timeout=timeout, trusted=trusted)
 
     def fresh_buffers(self) -> list[torch.Tensor] | None:
         """The averager's shared fresh buffers, to write a pseudo-gradient into (None while a round holds

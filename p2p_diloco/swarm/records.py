@@ -2,9 +2,13 @@
 
 Keys (all prefixed by the run id, so runs sharing one DHT never read each other's records):
 
-- ``{run_id}_progress``: one subkey per peer holding a ``ProgressRecord``-shaped dict.
-- ``{run_id}_checksum_e{epoch}``: one subkey per peer holding the 64-hex-character sha256 of its parameters
-  right after the outer step that produced ``epoch``.
+- ``{run_id}_progress_v{protocol}``: one subkey per peer holding a ``ProgressRecord``-shaped dict.
+- ``{run_id}_checksum_v{protocol}_e{epoch}``: one subkey per peer holding the 64-hex-character sha256 of its
+  parameters right after the outer step that produced ``epoch``.
+
+``protocol`` is ``swarm.protocol.PROTOCOL_VERSION``: peers of another release publish under other keys, so
+neither side reads, nor bans for, records it cannot parse (version 1, before the version existed, used
+``{run_id}_progress`` and ``{run_id}_checksum_e{epoch}``); :func:`other_versions` counts them.
 
 Each peer writes only under its signed subkey ``<base58 peer id>[owner:<its public key>]`` and signs every
 record with its libp2p identity key (``signing``), so a record names the one peer that wrote it.
@@ -34,12 +38,14 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, ValidationError, confloat, conint, constr
 
 from p2p_diloco.core.evidence import EPOCH_LIMIT
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION, neighbours, versioned
 from p2p_diloco.swarm.signing import (
     SIGNED_SUBKEY_REGEX,
     RecordAudit,
     RecordGuard,
     Rejection,
     looks_signed,
+    other_version_detail,
     own_subkey,
     parse_signed_subkey,
     record_audit,
@@ -74,12 +80,18 @@ class ProgressRecord(BaseModel):
     time: confloat(ge=0.0, le=1e11, strict=True)  # type: ignore[valid-type]
     client_mode: StrictBool
     phase_s: confloat(ge=0.0, le=1e7, strict=True)  # type: ignore[valid-type]
+    protocol: conint(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION, strict=True)  # type: ignore[valid-type]
+    """``swarm.protocol.PROTOCOL_VERSION``; a record of another version is dropped unread, never banned."""
 
 
 class ProgressSchema(BaseModel):
-    """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress`` key (subkey: a signed subkey)."""
+    """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress_v2`` key (subkey: a signed subkey); the
+    field is named after the key, :func:`progress_key`."""
 
-    progress: dict[conbytes(regex=SIGNED_SUBKEY_REGEX), Optional[ProgressRecord]]  # type: ignore[valid-type]  # noqa: UP045
+    progress_v2: dict[conbytes(regex=SIGNED_SUBKEY_REGEX), Optional[ProgressRecord]]  # type: ignore[valid-type]  # noqa: UP045
+
+
+assert versioned("progress") in ProgressSchema.__fields__, "ProgressSchema's field must follow PROTOCOL_VERSION"
 
 
 @dataclass(frozen=True)
@@ -106,12 +118,12 @@ class PeerProgress:
         return get_dht_time() - self.time
 
 
-def progress_key(run_id: str) -> str:
-    return f"{run_id}_progress"
+def progress_key(run_id: str, protocol: int = PROTOCOL_VERSION) -> str:
+    return versioned(f"{run_id}_progress", protocol)
 
 
-def checksum_key(run_id: str, epoch: int) -> str:
-    return f"{run_id}_checksum_e{int(epoch)}"
+def checksum_key(run_id: str, epoch: int, protocol: int = PROTOCOL_VERSION) -> str:
+    return f"{versioned(f'{run_id}_checksum', protocol)}_e{int(epoch)}"
 
 
 def run_validator(run_id: str) -> RecordGuard:
@@ -165,6 +177,7 @@ def publish_progress(
         time=float(now),
         client_mode=bool(client_mode),
         phase_s=float(phase_s),
+        protocol=PROTOCOL_VERSION,
     )
     if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s, record.phase_s):
         raise ValueError("progress rates must be finite")
@@ -203,6 +216,8 @@ def _parse_progress(subkey: Any, entry: Any, now: float) -> PeerProgress | Rejec
         return Rejection("malformed", peer_id, f"value of type {type(value).__name__} (or too many fields)")
     if not all(isinstance(name, str) for name in value):
         return Rejection("malformed", peer_id, "field names that are not strings")  # pydantic would raise TypeError
+    if value.get("protocol", 1) != PROTOCOL_VERSION:
+        return Rejection("version", None, other_version_detail(value.get("protocol", 1)))
     try:
         record = ProgressRecord.parse_obj(value)
     except ValidationError as e:
@@ -212,7 +227,9 @@ def _parse_progress(subkey: Any, entry: Any, now: float) -> PeerProgress | Rejec
         return Rejection("malformed", peer_id, "value needed type conversions")
     if not _finite(record.steps_per_s, record.samples_per_s, record.tokens_per_s, record.time, record.phase_s):
         return Rejection("malformed", peer_id, "non-finite number")
-    return PeerProgress(peer_id=peer_id, expiration_time=float(entry.expiration_time), **record.dict())
+    fields = record.dict()
+    del fields["protocol"]  # ours, checked above
+    return PeerProgress(peer_id=peer_id, expiration_time=float(entry.expiration_time), **fields)
 
 
 def _parse_checksum(subkey: Any, entry: Any, now: float) -> tuple[str, str] | Rejection | None:
@@ -330,3 +347,26 @@ def majority_checksum(dht: hivemind.DHT, run_id: str, epoch: int) -> tuple[str |
     counts = Counter(checksums.values())
     sha, count = min(counts.items(), key=lambda item: (-item[1], item[0]))
     return sha, count, len(checksums)
+
+
+def other_versions(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> dict[int, int]:
+    """Peers of ``run_id`` publishing progress under another protocol version's key (``swarm.protocol``):
+    ``{version: live signed entries}``, only versions with some. Read once at start and by ``doctor``: these
+    records are counted, never parsed nor banned (their schema may differ from ours)."""
+    futures = {v: dht.get(progress_key(run_id, v), latest=True, return_future=True) for v in neighbours()}
+    now, found = get_dht_time(), {}
+    for version, future in futures.items():
+        try:
+            entries = future.result(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - an unanswered lookup counts nobody
+            logger.debug("Could not read the progress of protocol %d: %r", version, e)
+            continue
+        if not isinstance(entries, ValueWithExpiration) or not isinstance(entries.value, dict):
+            continue
+        live = sum(1 for subkey, entry in list(entries.value.items())[:_MAX_SUBKEYS]
+                   if isinstance(parse_signed_subkey(subkey), tuple) and isinstance(entry, ValueWithExpiration)
+                   and entry.value is not None and isinstance(entry.expiration_time, (int, float))
+                   and entry.expiration_time > now)
+        if live:
+            found[version] = live
+    return found

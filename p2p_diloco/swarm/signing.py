@@ -20,12 +20,14 @@ signature that does not verify, unreadable owner key   ``bad_signature``  nobody
 valid signature, claimed peer id is not the key's      ``wrong_owner``    the key's peer
 valid signature, value over ``MAX_VALUE_BYTES``        ``oversized``      the key's peer
 valid signature, value breaks the key's schema         ``malformed``      the key's peer
+valid signature, ``protocol`` field of another version  ``version``        nobody
 =====================================================  =================  ===============================
 
 Only a record with a valid signature is certainly its key holder's doing, so only those get their author
 banned. Unsigned or wrongly signed records cannot be attributed: the subkey names whoever the writer wished
 and the sender of a store request may be an honest node passing a record on, so they are dropped and counted
-and nobody is banned. Records that are not ours (hivemind's matchmaking and state keys) pass untouched,
+and nobody is banned. A record of another protocol version (``swarm.protocol``) is a peer of another release,
+not an attacker: it is dropped before the schema check, and its writer is not banned. Records that are not ours (hivemind's matchmaking and state keys) pass untouched,
 except that every subkey must be bytes (as all of hivemind's averaging and ours are): hivemind's storage
 fails on subkeys of mixed types, which a writer could otherwise use to jam any key (this excludes
 ``hivemind.moe``, whose int subkeys this project does not use).
@@ -62,12 +64,14 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
 
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
+
 logger = logging.getLogger(__name__)
 
 MAX_VALUE_BYTES = 4096
 """Largest serialized value, signature included, of a signed record. A progress record is about 200 bytes
 and a 2048-bit signature about 360; 4096 leaves room for 4096-bit keys and nothing for payloads."""
-REJECTED_RECORD_KINDS = ("unsigned", "bad_signature", "wrong_owner", "malformed", "oversized")
+REJECTED_RECORD_KINDS = ("unsigned", "bad_signature", "wrong_owner", "malformed", "oversized", "version")
 SIGNED_SUBKEY_REGEX = rb"^([1-9A-HJ-NP-Za-km-z]{20,80})\[owner:(ssh-rsa [A-Za-z0-9+/]{100,2000}={0,2})\]$"
 _SIGNED_SUBKEY = re.compile(SIGNED_SUBKEY_REGEX)
 _SHA2_256_PREFIX = b"\x12\x20"  # multihash code and digest length of sha2-256
@@ -416,6 +420,9 @@ class RecordGuard(RSASignatureValidator):
             return Rejection("oversized", owner, f"{len(record.value)}-byte value")
         if self._schema is not None:
             stripped = dataclasses.replace(record, value=self.strip_value(record))
+            version = _protocol_of(stripped.value) if must_sign else None
+            if version is not None and version != PROTOCOL_VERSION:
+                return Rejection("version", None, other_version_detail(version))
             try:
                 matches = self._schema.validate(stripped)
             except Exception:  # noqa: BLE001 - hivemind catches only ValueError while deserializing
@@ -436,6 +443,21 @@ class RecordGuard(RSASignatureValidator):
             self._signed_keys |= other._signed_keys
             return True
         return super().merge_with(other)  # hivemind keeps a single signature validator per node
+
+
+def _protocol_of(value: bytes) -> object:
+    """The ``protocol`` field of a msgpack dict value, or ``None`` when there is none to read."""
+    try:
+        decoded = MSGPackSerializer.loads(value)
+    except Exception:  # noqa: BLE001 - not ours to read: the schema check says why
+        return None
+    return decoded.get("protocol") if isinstance(decoded, dict) else None
+
+
+def other_version_detail(version: object) -> str:
+    return (f"a record of protocol version {str(version)[:16]}, this release speaks {PROTOCOL_VERSION}: its writer "
+            "runs another release of p2p_diloco; it is neither averaged with nor banned (run one release "
+            "across the swarm)")
 
 
 def _owner_of(public_key: bytes) -> str | None:

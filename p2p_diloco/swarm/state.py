@@ -5,12 +5,13 @@ Serving: a donor announces itself under ``{prefix}.all_averagers`` with its epoc
 state protocol) and answers ``rpc_state_chunk`` (``swarm.chunk_transfer``) with its manifest (msgpack
 metadata and the sha256 of every 1 MiB chunk, ``core.chunks``) or one chunk's bytes (nothing is pickled).
 It serves its live anchors and momentum, not a copy: before they change (an outer step, a resync) the host
-withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most
-``state_download_timeout_s``, the joiner's own limit; a joiner that fetched a chunk in the last ``_PIN_S``
-counts as in flight), and bumps a version that a stream checks before every message it sends; so a chunk is
-either of one epoch or cut short (the joiner then fetches it from another donor). hivemind's whole-state
-stream (``rpc_download_state``) is closed. A donor also serves the last round's update for one round
-(``swarm.catchup``): a joiner whose download outlasted a round applies it instead of downloading again.
+withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most 15% of the time
+it worked since it last did, ``core.chunks.ServeWait``, which no downloader can stretch; a joiner
+that fetched a chunk in the last ``_PIN_S`` counts as in flight), and bumps a version that a stream checks
+before every message it sends; so a chunk is either of one epoch or cut short (the joiner then fetches it
+from another donor, or the new state). hivemind's whole-state stream (``rpc_download_state``) is closed. A
+donor also serves the last round's update for one round (``swarm.catchup``): a joiner whose download
+outlasted a round applies it instead of downloading again.
 
 Downloading (:func:`download_state`) reads every donor's manifest and accepts a state only after checking:
 
@@ -55,7 +56,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap
+from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap, ServeWait
 from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch, state_verdict
 from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, manifest_sha, tensor_manifest
 from p2p_diloco.swarm.chunk_transfer import INCOMPLETE, fetch_verified, state_chunk_map
@@ -86,13 +87,16 @@ class SwarmState:
     params_sha256: str
     """``checksum.params_sha256`` of the parameters alone (part of the above: reused, not hashed again)."""
     donor: str
-    """Peer id the state came from."""
+    """Peer id that delivered the most verified chunks of it (``""`` when all came from a partial download
+    kept on disk): whom a log names. Whom the loading peer vouches for is ``core.evidence.credited``'s."""
     rejected: tuple[str, ...] = ()
     """Donors tried before or dropped during the download, each as "peer id: reason"."""
     sources: tuple[str, ...] = ()
     """Every donor asked for chunks of this state (``donor`` first)."""
     params_manifest: TensorManifest | None = None
     """The parameters' manifest (its ``sha`` is ``params_sha256``): serving the state needs no hash pass."""
+    delivered: dict[str, int] | None = None
+    """Donor -> verified chunks it delivered (a donor that sent a bad chunk is not in it)."""
 
 
 class StateSharingMixin:
@@ -210,6 +214,10 @@ class StateServer:
         self._update_meta: dict[str, Any] | None = None
         self.waited_s = 0.0
         """Seconds :meth:`withdraw` spent waiting for downloads in flight, in total."""
+        self.budget = ServeWait()
+        """How long the next withdrawal may wait for downloads (``core.chunks.ServeWait``: a share of the round)."""
+        self.cut_off = 0
+        """Withdrawals that cut downloads still running (their joiners fetch the new state instead)."""
 
     def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int,
                 manifest: TensorManifest | None = None, update: ServedUpdate | None = None) -> str:
@@ -280,16 +288,23 @@ class StateServer:
         self._wait_and_cut(timeout)
 
     def _wait_and_cut(self, timeout: float) -> None:
+        """Wait for downloads in flight, at most ``timeout`` and at most what the round's budget allows
+        (``core.chunks.ServeWait``: nobody downloading can hold this peer's round for more than a share of
+        it), then make those still running stop before their next message: their joiners get a chunk cut
+        short, a clean failure, and fetch the new state."""
         if self._averager.client_mode or not self._averager.is_alive():
             return
         began = time.monotonic()
-        deadline = began + timeout
+        allowed = self.budget.allowance(timeout)
+        deadline = began + allowed
         while self._averager.downloading() and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.02)
         if self._averager.downloading():
-            logger.warning("A state download still runs after %.0f s; cutting it off to change our state",
-                           timeout)
+            self.cut_off += 1
+            logger.info("A state download still runs after %.2f s (this round's budget); cutting it off to "
+                        "change our state (cut %d so far)", allowed, self.cut_off)
         self._averager.bump_state_version()
+        self.budget.cut()
         self.waited_s += time.monotonic() - began
 
     def stop(self) -> None:
@@ -430,9 +445,10 @@ def download_state(
         if problem is not None:
             return None, problem, False
         n = len(template_params)
+        top = max(served, key=lambda p: (served[p], p == peer), default="")
         state = SwarmState(params=dest[:n], opt_tensors=dest[n:], epoch=meta["ep"], state_sha256=sha,
                            params_sha256=manifest_sha(layouts[0], chunks.region_bytes[0], meta["pc"]),
-                           donor=peer, rejected=tuple(rejected), sources=tuple(sources),
+                           donor=top, rejected=tuple(rejected), sources=tuple(sources), delivered=dict(served),
                            params_manifest=TensorManifest(manifest_sha(layouts[0], chunks.region_bytes[0],
                                                                        meta["pc"]), meta["pc"]))
         return state, None, False
@@ -444,7 +460,8 @@ def download_state(
             break
         state, problem, vetoed = attempt(peer, count_votes=True)
         if state is not None:
-            logger.info("Loaded state of epoch %d from %d donor(s), first %s", state.epoch, len(state.sources), peer)
+            logger.info("Loaded state of epoch %d from %d donor(s), most of it from %s", state.epoch,
+                        len(state.sources), state.donor or "our partial download")
             return state
         logger.warning("Rejected state from %s: %s", peer, problem)
         rejected.append(f"{peer}: {problem}")

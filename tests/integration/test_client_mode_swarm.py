@@ -14,6 +14,7 @@ from hivemind.utils import ValueWithExpiration
 from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wait_for
 
 from p2p_diloco.swarm import SwarmConfig, fetch_progress, start_dht
+from p2p_diloco.swarm.protocol import averager_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def _donors(maddr: str, run_id: str) -> tuple[set[str], set[str]]:
     try:
         records = fetch_progress(dht, run_id)
         fingerprint = records[0].fingerprint
-        found = dht.get(f"{run_id}_{fingerprint[:16]}.all_averagers", latest=True)
+        found = dht.get(f"{averager_prefix(run_id, fingerprint)}.all_averagers", latest=True)
     finally:
         dht.shutdown()
     donors = set()

@@ -47,6 +47,7 @@ from p2p_diloco.swarm import (
     start_dht,
     visible_maddrs,
 )
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 from p2p_diloco.swarm.records import _MAX_SUBKEYS, ProgressSchema, _fetch_subkeys, checksum_key, progress_key
 from p2p_diloco.swarm.signing import (
     RecordAudit,
@@ -161,7 +162,7 @@ def test_guard_judges_signature_owner_size_and_schema() -> None:
     assert guard.merge_with(RecordGuard(schemas=[schema], signed_keys=[progress_key(run)]))
     assert guard.merge_with(RSASignatureValidator(other_key))  # one signature validator per node: ignored
     good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                fingerprint="abcdef01", time=now, client_mode=False, phase_s=0.0)  # fmt: skip
+                fingerprint="abcdef01", time=now, client_mode=False, phase_s=0.0, protocol=PROTOCOL_VERSION)  # fmt: skip
     pk, ck = progress_key(run), checksum_key(run, 1)
     valid = _signed(other_key, pk, theirs, good, now + 60)
     assert guard.judge(valid) is None and guard.judge(_signed(key, ck, mine, "a" * 64, now + 60)) is None
@@ -235,7 +236,7 @@ def test_records_are_signed_and_what_slips_through_is_dropped_counted_and_banned
         assert publish_progress(dht, run, epoch=3, **rates)
         assert publish_progress(relay, run, epoch=50, ttl_s=6.0, **rates)
         now = get_dht_time()
-        good = dict(rates, epoch=9, inner_step=1, time=now, client_mode=False, phase_s=0.0)
+        good = dict(rates, epoch=9, inner_step=1, time=now, client_mode=False, phase_s=0.0, protocol=PROTOCOL_VERSION)
         # What a node without the run's schema keeps and passes on: records under bare peer ids, unsigned.
         junk = {
             FAKE_IDS[0]: good,

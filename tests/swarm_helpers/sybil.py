@@ -39,6 +39,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p_diloco.swarm.dht import ensure_identity
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 from p2p_diloco.swarm.records import checksum_key, progress_key
 from p2p_diloco.swarm.signing import load_identity_key, parse_signed_subkey, signed_subkey
 
@@ -71,7 +72,7 @@ async def _blast(_dht: Any, node: Any, paths: tuple[str, ...], run: str, fingerp
     sybils = _keys(paths)
     exp = get_dht_time() + 30
     record = dict(epoch=INFLATED_EPOCH, inner_step=10**7, steps_per_s=1.0, samples_per_s=4.0, tokens_per_s=256.0,
-                  fingerprint=fingerprint, time=get_dht_time(), client_mode=False, phase_s=0.0)
+                  fingerprint=fingerprint, time=get_dht_time(), client_mode=False, phase_s=0.0, protocol=PROTOCOL_VERSION)
     peers = list(node.protocol.routing_table.peer_id_to_uid)
     sent = accepted = 0
     for key, subkey in sybils:

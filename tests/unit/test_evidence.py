@@ -12,13 +12,22 @@ import torch
 
 from p2p_diloco.core.delayed import Contribution, StalenessPolicy, aggregate_round
 from p2p_diloco.core.dylu import PHASE_RECORD_MAX_AGE_S
-from p2p_diloco.core.evidence import EPOCH_LIMIT, MOVED_ON_PASSES, Claim, Evidence, outvoted, state_verdict
+from p2p_diloco.core.evidence import (
+    EPOCH_LIMIT,
+    MOVED_ON_PASSES,
+    Claim,
+    Evidence,
+    credited,
+    outvoted,
+    state_verdict,
+)
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.peer.faults import NO_FAULTS
 from p2p_diloco.peer.port import DOWNLOAD_ATTEMPTS, SwarmPort
 from p2p_diloco.swarm.checksum import params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.group import MemberInfo
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 from p2p_diloco.swarm.records import ProgressRecord
 
 SYBILS = [f"sybil{i}" for i in range(10)]
@@ -80,7 +89,7 @@ def test_epochs_past_the_limit_are_never_believed_nor_loaded() -> None:
     with pytest.raises(ValueError, match="epoch must be an integer within"):
         state.load_state_tensors(state.state_tensors(), EPOCH_LIMIT + 1)
     record = dict(epoch=EPOCH_LIMIT + 1, inner_step=0, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                  fingerprint="abcdef01", time=1.0, client_mode=False, phase_s=0.0)
+                  fingerprint="abcdef01", time=1.0, client_mode=False, phase_s=0.0, protocol=PROTOCOL_VERSION)
     with pytest.raises(ValueError):
         ProgressRecord.parse_obj(record)
     # An epoch at the limit still leaves the wire format (10**9) all the headroom a run could use.
@@ -177,7 +186,7 @@ class ScriptedSwarm:
             donor = donor.pop(0)
         return donor
 
-    def download_update(self, templates, base_sha, base_epoch, timeout):  # noqa: ANN001, ANN201
+    def download_update(self, templates, base_sha, base_epoch, timeout, trusted=None):  # noqa: ANN001, ANN201
         update, self.update = self.update, None
         return update if update is not None and update.base == (base_sha, base_epoch) else None
 
@@ -222,7 +231,7 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
     assert port.observe(3).swarm_epoch == 3
     swarm.claims["a"] = 4  # a trusted peer ahead still pulls this one along, checked against trusted peers
     assert port.observe(3).swarm_epoch == 4
-    swarm.donor = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a",
+    swarm.donor = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a", delivered={"a": 1},
                                   params_sha256=params_sha256([torch.ones(4)]),
                                   params_manifest=tensor_manifest([torch.ones(4)]))
     assert port.resync(4)
@@ -231,7 +240,7 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
 
 def test_port_times_a_joiners_first_phase_by_how_far_the_swarm_is_into_its_own() -> None:
     def state() -> SimpleNamespace:  # a load takes the downloaded tensors: one state per download
-        return SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a",
+        return SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=4, donor="a", delivered={"a": 1},
                                params_sha256=params_sha256([torch.ones(4)]),
                                params_manifest=tensor_manifest([torch.ones(4)]))
 
@@ -384,7 +393,7 @@ def _download_of(truth: OuterState, donor: str) -> SimpleNamespace:
     params = [a.clone() for a in truth.anchors]
     momentum = [m.clone() for m in truth.outer.momentum_buffers()]
     manifest = tensor_manifest(params)
-    return SimpleNamespace(params=params, opt_tensors=momentum, epoch=truth.epoch, donor=donor,
+    return SimpleNamespace(params=params, opt_tensors=momentum, epoch=truth.epoch, donor=donor, delivered={donor: 1},
                            state_sha256=state_sha256(params, momentum), params_manifest=manifest,
                            params_sha256=manifest.sha)
 
@@ -399,7 +408,7 @@ def test_a_joiner_one_round_behind_applies_the_missed_round_and_takes_part_in_th
     swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=download,
                           votes={"a": swarm_sha, "b": swarm_sha},
                           update=SimpleNamespace(base=base, fresh=fresh, stale=None, result_sha=swarm_sha,
-                                                 donor="a", sources=("a", "b")))
+                                                 donor="a", sources=("a", "b"), delivered={"a": 1}, vouching="a"))
     port, state = _port(swarm)
     assert port.resync(3)
     assert len(swarm.downloads) == 1  # one download, then the update: not a second download
@@ -418,7 +427,7 @@ def test_an_update_that_does_not_lead_to_the_voted_state_is_dropped_for_a_second
     swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
     newest = _download_of(truth, "b")
     lying = SimpleNamespace(base=base, fresh=[t + 1.0 for t in fresh], stale=None, result_sha=swarm_sha,
-                            donor="a", sources=("a",))
+                            donor="a", sources=("a",), delivered={"a": 1}, vouching="a")
     swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=[download, newest],
                           votes={"a": swarm_sha, "b": swarm_sha}, update=lying)
     port, state = _port(swarm)
@@ -437,7 +446,7 @@ def test_a_peer_one_round_behind_with_the_swarms_state_applies_the_update_to_its
     swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
     swarm.claims, swarm.votes = {"a": 4, "b": 4}, {"a": swarm_sha, "b": swarm_sha}
     swarm.update = SimpleNamespace(base=(download.state_sha256, 3), fresh=[t.clone() for t in fresh], stale=None,
-                                   result_sha=swarm_sha, donor="a", sources=("a", "b"))
+                                   result_sha=swarm_sha, donor="a", sources=("a", "b"), delivered={"a": 1}, vouching="a")
     assert port.resync(4)
     assert len(swarm.downloads) == 1  # the update only (half a state or less), not a second whole state
     assert state.epoch == 4 and port.state_digest() == swarm_sha  # bitwise the swarm's state
@@ -448,7 +457,116 @@ def test_a_peer_one_round_behind_with_the_swarms_state_applies_the_update_to_its
     newest_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
     swarm.claims, swarm.votes, swarm.donor = {"a": 5, "b": 5}, {"a": newest_sha, "b": newest_sha}, newest
     swarm.update = SimpleNamespace(base=(swarm_sha, 4), fresh=[t + 1.0 for t in fresh], stale=None,
-                                   result_sha=newest_sha, donor="a", sources=("a",))
+                                   result_sha=newest_sha, donor="a", sources=("a",), delivered={"a": 1}, vouching="a")
     assert port.resync(5)
     assert [m for m, _ in swarm.downloads] == [3, 5]
     assert state.epoch == 5 and port.state_digest() == newest_sha
+
+
+def test_only_an_identity_that_delivered_verified_bytes_is_credited_and_only_without_trusted_evidence() -> None:
+    # accepted on trusted evidence (a trusted donor, or a digest trusted voters published): a relay earns nothing
+    assert credited({"relay": 3, "a": 1}, frozenset({"a"})) is None
+    assert credited({"relay": 3}, frozenset()) is None
+    # a newcomer (nobody trusted visible): the identity that delivered the most verified chunks, never one with none
+    assert credited({"listed-first": 0, "a": 2, "b": 5}, None) == "b"
+    assert credited({"x": 2, "a": 2}, None) == "a"  # ties: the smallest id, whatever the order
+    assert credited({"listed-first": 0}, None) is None and credited({}, None) is None
+    ev = Evidence("me", trusted=["t"])
+    assert ev.loaded({"relay": 4}, ev.trusted_or_none(["t", "relay"])) is None and not ev.trusts("relay")
+    newcomer = Evidence("me")
+    assert newcomer.loaded({"relay": 0, "a": 1}, newcomer.trusted_or_none(["a", "relay"])) == "a"
+    assert newcomer.trusts("a") and not newcomer.trusts("relay")
+
+
+def _one_round_behind(update_of: object) -> tuple[SwarmPort, OuterState, ScriptedSwarm, str, list[torch.Tensor]]:
+    """A peer at epoch 3 with the swarm's own state that missed the round to 4; ``update_of(fresh, swarm_sha)``
+    makes the update it is served. Returns the port, its state, the swarm, the swarm's digest of epoch 4 and
+    the live anchors' values before the catch-up."""
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, donor=download)
+    port, state = _port(swarm)
+    assert port.resync(3)
+    port.evidence.averaged_with(["a", "b"])  # it averaged with a and b before: anchored
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+    swarm.claims, swarm.votes = {"a": 4, "b": 4, "relay": 4}, {"a": swarm_sha, "b": swarm_sha}
+    swarm.update = update_of(download.state_sha256, fresh, swarm_sha)
+    swarm.donor = None  # and the fallback download fails
+    return port, state, swarm, swarm_sha, [a.clone() for a in state.anchors]
+
+
+def test_a_relay_listed_first_is_never_trusted_for_an_update_trusted_votes_accepted() -> None:
+    def relayed(base: str, fresh: list[torch.Tensor], sha: str) -> SimpleNamespace:
+        return SimpleNamespace(base=(base, 3), fresh=[t.clone() for t in fresh], stale=None, result_sha=sha,
+                               donor="relay", sources=("relay", "a"), delivered={"relay": 2, "a": 1},
+                               vouching="a")
+
+    port, state, swarm, swarm_sha, _ = _one_round_behind(relayed)
+    assert port.resync(4) and state.epoch == 4 and port.state_digest() == swarm_sha
+    assert not port.evidence.trusts("relay")  # it relayed the honest bytes: that proves nothing of its own
+    swarm.claims["relay"] = 1004  # ... so its claim of a future epoch moves nobody
+    assert port.observe(4).swarm_epoch == 4
+
+
+@pytest.mark.parametrize("poison", ["wrong", "huge", "inf"])
+def test_a_poisoned_update_changes_nothing_live_even_when_the_fallback_download_fails(poison: str) -> None:
+    values = {"wrong": 1.0, "huge": 3e38, "inf": float("-inf")}[poison]
+
+    def poisoned(base: str, fresh: list[torch.Tensor], sha: str) -> SimpleNamespace:
+        bad = [t + values for t in fresh] if poison == "wrong" else [torch.full_like(t, values) for t in fresh]
+        return SimpleNamespace(base=(base, 3), fresh=bad, stale=None, result_sha=sha, donor="a", sources=("a",),
+                               delivered={"a": 1}, vouching="a")
+
+    port, state, swarm, _, before = _one_round_behind(poisoned)
+    momentum = [m.clone() for m in state.outer.momentum_buffers()]
+    digest = port.state_digest()
+    assert not port.resync(4)  # the update failed its check, and no donor served a whole state either
+    assert [m for m, _ in swarm.downloads][-1] == 4  # it tried the download
+    assert state.epoch == 3 and port.state_digest() == digest  # its last verified state, served as such
+    assert all(torch.equal(a, b) for a, b in zip(state.anchors, before, strict=True))
+    assert all(torch.equal(m, b) for m, b in zip(state.outer.momentum_buffers(), momentum, strict=True))
+    assert torch.equal(port.params[0], before[0])
+
+
+def test_an_update_without_terms_or_with_absurd_values_is_refused() -> None:
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from p2p_diloco.core.chunks import CHUNK_BYTES
+    from p2p_diloco.swarm.catchup import check_update_metadata, implausible
+    from p2p_diloco.swarm.checksum import combine_state_sha, manifest_sha
+    from p2p_diloco.swarm.state import STATE_VERSION
+
+    layout = [(torch.float32, (4,))]
+    empty = combine_state_sha(manifest_sha([], 0, b""), manifest_sha([], 0, b""))
+    meta = {"v": STATE_VERSION, "run": "r", "fp": "f", "ep": 3, "sha": empty, "np": 0, "no": 0,
+            "cs": CHUNK_BYTES, "pc": b"", "mc": b"", "base": "0" * 64, "to": "1" * 64}
+    assert "no terms" in check_update_metadata(MSGPackSerializer.dumps(meta), "r", "f", layout, "0" * 64, 3)
+    assert implausible([torch.ones(4)]) is None
+    assert "beyond" in implausible([torch.tensor([0.0, 3e38])])
+    assert "NaN or infinite" in implausible([torch.tensor([float("-inf")])])
+
+
+def test_after_a_missed_round_the_first_phase_is_floored_by_the_updates_fetch_time(monkeypatch) -> None:  # noqa: ANN001
+    """The donors served the update from their step on: its fetch time is a floor on how far the swarm is into
+    its phase. A believed record of ``phase_s`` 0 made a joiner plan the full H and arrive late."""
+    clock = Clock()
+    monkeypatch.setattr("p2p_diloco.peer.port.time", SimpleNamespace(monotonic=clock))
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    base = (download.state_sha256, 3)
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+
+    class SlowUpdate(ScriptedSwarm):
+        def download_update(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            clock.now += 7.0
+            return super().download_update(*args, **kwargs)
+
+    swarm = SlowUpdate(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=download,
+                       votes={"a": swarm_sha, "b": swarm_sha}, phases={"a": (0.0, 0.0), "b": (0.0, 0.0)},
+                       update=SimpleNamespace(base=base, fresh=fresh, stale=None, result_sha=swarm_sha, donor="a",
+                                              sources=("a", "b"), delivered={"a": 1}, vouching="a"))
+    port, state = _port(swarm)
+    assert port.resync(3) and state.epoch == 4
+    assert port.late_start_s == pytest.approx(7.0)  # the records say 0 s into epoch 4's phase; the fetch, 7

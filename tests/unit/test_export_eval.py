@@ -199,3 +199,14 @@ def test_a_checkpoint_of_another_model_is_refused(assets, tmp_path: Path, capsys
     err = capsys.readouterr().err
     assert info.value.code == 2 and "fingerprint" in err and "--tokenizer" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_pushing_the_live_swarms_state_needs_trusted_peers(tmp_path, capsys) -> None:  # noqa: ANN001
+    """Without --trusted-peers the swarm's state is whatever donor the largest believable epoch names: any
+    free identity's weights, published as the volunteers' model. Refused before anything is downloaded."""
+    peer = "/ip4/127.0.0.1/tcp/31337/p2p/QmbjUdpxxxyV6TfqZGxy32XWGqZhWgs42kaYpmpsUNcytB"
+    with pytest.raises(SystemExit) as exit_:
+        export.main(["--source", "swarm", "--initial-peers", peer, "--push-to-hub", "user/model", "--output",
+                     str(tmp_path / "out"), "--model", "tiny"])
+    assert exit_.value.code == 2
+    assert "--push-to-hub from the live swarm needs --trusted-peers" in capsys.readouterr().err

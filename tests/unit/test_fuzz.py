@@ -36,6 +36,7 @@ from p2p_diloco.swarm.checksum import combine_state_sha, tensor_manifest
 from p2p_diloco.swarm.chunk_transfer import state_chunk_map
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.group import MemberInfo, decode_gather, encode_gather, plan_group
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 from p2p_diloco.swarm.records import (
     PeerProgress,
     ProgressSchema,
@@ -169,7 +170,7 @@ def _rejected_or(parsed: object, kind: type) -> bool:
 def test_progress_records_parse_or_give_a_reason(subkey: object, value: object, expiration: object,
                                                  mutate: dict) -> None:
     good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                fingerprint=FINGERPRINT, time=1.0, client_mode=False, phase_s=0.0)
+                fingerprint=FINGERPRINT, time=1.0, client_mode=False, phase_s=0.0, protocol=PROTOCOL_VERSION)
     record = {**good, **mutate} if mutate else value
     for key in (subkey, PEER, SIGNED, SIGNED[:-2] + b"A]", PEER.encode() + SIGNED[len(KEY_PEER.to_base58()):]):
         parsed = _parse_progress(key, ValueWithExpiration(record, expiration), now=0.0)
@@ -192,7 +193,7 @@ def test_checksum_records_parse_or_give_a_reason(subkey: object, value: object, 
 
 
 @FUZZ
-@given(key=st.one_of(st.binary(max_size=40), st.just(DHTID.generate(source="run_progress").to_bytes())),
+@given(key=st.one_of(st.binary(max_size=40), st.just(DHTID.generate(source=progress_key("run")).to_bytes())),
        subkey=st.one_of(st.binary(max_size=80), st.just(MSGPackSerializer.dumps(SIGNED))),
        value=st.binary(max_size=200), expiration=st.floats(allow_nan=True), sign=st.booleans())
 def test_record_guard_judges_any_record(key: bytes, subkey: bytes, value: bytes, expiration: float,
@@ -264,7 +265,7 @@ def test_records_expiring_past_a_day_are_junk_and_attributed() -> None:
     from p2p_diloco.swarm.records import MAX_RECORD_TTL_S
 
     good = dict(epoch=1, inner_step=2, steps_per_s=1.0, samples_per_s=1.0, tokens_per_s=1.0,
-                fingerprint=FINGERPRINT, time=1.0, client_mode=False, phase_s=0.0)
+                fingerprint=FINGERPRINT, time=1.0, client_mode=False, phase_s=0.0, protocol=PROTOCOL_VERSION)
     assert isinstance(_parse_progress(SIGNED, ValueWithExpiration(good, 86400.0), now=0.0), PeerProgress)
     for parse, value in ((_parse_progress, good), (_parse_checksum, "a" * 64)):
         far = parse(SIGNED, ValueWithExpiration(value, MAX_RECORD_TTL_S + 1.0), now=0.0)

@@ -20,6 +20,7 @@ from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay, SwarmExporter, r
 from p2p_diloco.monitoring.peer_metrics import RECORD_REJECTION_REASONS, REJECTION_REASONS
 from p2p_diloco.peer.report import RoundReport
 from p2p_diloco.swarm import SwarmConfig, publish_progress, start_dht
+from p2p_diloco.swarm.records import progress_key
 from p2p_diloco.swarm.signing import own_subkey
 
 pytestmark = pytest.mark.timeout(120)
@@ -189,7 +190,7 @@ def test_swarm_exporter_reads_peers_progress_from_the_dht() -> None:
                          tokens_per_s=100.0, fingerprint="abcdef12", ttl_s=60)
         exporter.poll_once()
         assert get("p2p_diloco_swarm_rounds_completed_total", {"run_id": "mx"}) == 6
-        peers[0].store("mx_progress", None, expiration_time=get_dht_time() + 60, subkey=own_subkey(peers[0]))
+        peers[0].store(progress_key("mx"), None, expiration_time=get_dht_time() + 60, subkey=own_subkey(peers[0]))
         exporter.poll_once()
         assert get("p2p_diloco_swarm_peers_online", {"run_id": "mx"}) == 1
         assert get("p2p_diloco_swarm_epoch", {"run_id": "mx"}) == 3
@@ -199,7 +200,7 @@ def test_swarm_exporter_reads_peers_progress_from_the_dht() -> None:
 
         # A node holding a record under a bare peer id (unsigned, as a node without the guard would): its
         # answer is dropped on receipt, counted, and changes nothing.
-        forged = functools.partial(_plant, key="mx_progress", subkey="QmForged", value=dict(epoch=99))
+        forged = functools.partial(_plant, key=progress_key("mx"), subkey="QmForged", value=dict(epoch=99))
         peers[1].run_coroutine(forged)
         exporter.poll_once()
         assert get("p2p_diloco_swarm_epoch", {"run_id": "mx"}) == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.core.chunks import CHUNK_BYTES, ChunkMap, ChunkPlan
+from p2p_diloco.core.chunks import CHUNK_BYTES, ChunkMap, ChunkPlan, ServeWait
 from p2p_diloco.swarm.checksum import (
     combine_state_sha,
     manifest_sha,
@@ -23,7 +23,7 @@ from p2p_diloco.swarm.checksum import (
 )
 from p2p_diloco.swarm.chunk_transfer import read_chunk, state_chunk_map, write_chunk
 from p2p_diloco.swarm.partial import PartialStore
-from p2p_diloco.swarm.state import check_state_metadata, download_state, make_state_metadata
+from p2p_diloco.swarm.state import StateServer, check_state_metadata, download_state, make_state_metadata
 
 FINGERPRINT = "abcdef0123456789"
 
@@ -265,3 +265,77 @@ def test_the_threaded_manifest_equals_the_one_pass_manifest(threads: int, monkey
     assert checksum.tensor_manifest([*tensors, square.t()]) == checksum.tensor_manifest([*tensors, square.t().contiguous()])
     assert one_pass.count == -(-sum(t.numel() * t.element_size() for t in tensors) // CHUNK_BYTES)
     assert checksum.tensor_manifest(tensors[:1] + [tensors[1] + 0]) != checksum.tensor_manifest(tensors[:1])
+
+
+def test_serve_wait_is_a_share_of_the_time_worked_since_the_last_cut() -> None:
+    now = [100.0]
+    wait = ServeWait(0.25, clock=lambda: now[0])
+    now[0] += 8.0  # a round of 8 s of work
+    assert wait.allowance(600.0) == 2.0
+    assert wait.allowance(1.5) == 1.5  # never past the caller's own limit
+    now[0] += 2.0  # it waited those 2 s: they do not count as work
+    wait.cut()
+    now[0] += 0.4
+    assert wait.allowance(600.0) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="share"):
+        ServeWait(1.5)
+
+
+class _Leeched:
+    """An averager serving a downloader that never stops (a chunk every second, forever)."""
+
+    client_mode = False
+
+    def __init__(self) -> None:
+        self.bumps = 0
+
+    def is_alive(self) -> bool:
+        return True
+
+    def downloading(self) -> bool:
+        return True
+
+    def bump_state_version(self) -> None:
+        self.bumps += 1
+
+
+@pytest.mark.timeout(60)
+def test_a_download_that_never_ends_holds_a_withdrawal_only_for_the_rounds_budget() -> None:
+    """Reverted to waiting up to the joiner's limit (600 s here), this withdrawal would outlast the test."""
+    averager = _Leeched()
+    server = StateServer(averager)  # type: ignore[arg-type]
+    now = [0.0]
+    server.budget = ServeWait(0.25, clock=lambda: now[0])
+    now[0] = 0.4  # the donor worked 0.4 s since it last changed its state: 0.1 s may go to downloads
+    server.withdraw(600.0)
+    server.withdraw_update(600.0)  # nothing served: returns at once
+    assert averager.bumps == 1 and server.cut_off == 1  # the download was cut off: the stream stops
+    assert server.waited_s < 30.0  # a budget of 0.1 s, with room for a loaded machine
+
+
+class _BadChunkDonor(_FakeAverager):
+    """Two donors of one state: "bad", listed first (priority 10^6), sent one chunk, then one that failed its
+    hash; "good" sent the rest."""
+
+    def state_donors(self) -> list[tuple[str, float]]:
+        return [("bad", 1e6), ("good", 3.0)]
+
+    def fetch_chunks(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        result = super().fetch_chunks(*args, **kwargs)
+        return dict(result, dropped={"bad": "chunk 2 failed its hash"},
+                    served={"bad": 1, "good": len(result["done"]) - 1})
+
+
+def test_a_donor_listed_first_that_sent_a_bad_chunk_earns_nothing(monkeypatch: Any) -> None:
+    import p2p_diloco.swarm.state as state_module
+    from p2p_diloco.core.evidence import credited
+
+    monkeypatch.setattr(state_module, "fetch_checksums", lambda *_: {})
+    params, momentum = _state()
+    averager = _BadChunkDonor(params, momentum, cut_after=None)
+    templates = ([torch.zeros_like(t) for t in params], [torch.zeros_like(t) for t in momentum])
+    state = download_state(averager, *templates, min_epoch=0)  # type: ignore[arg-type]
+    assert state is not None and state.sources[0] == "bad"  # asked first, as its priority claims
+    assert state.delivered == {"good": 3} and state.donor == "good"  # its verified chunk counts for nothing
+    assert credited(state.delivered, None) == "good"  # a newcomer would vouch for the donor that delivered
+    assert any(line.startswith("bad: chunk 2 failed its hash") for line in state.rejected)
