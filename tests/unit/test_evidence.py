@@ -281,7 +281,7 @@ def test_port_keeps_believing_donors_that_served_verified_chunks_of_a_failed_dow
 
 def test_port_asks_again_when_the_swarm_stepped_on_during_its_download() -> None:
     stepped = SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=3, donor="a",
-                              params_sha256=params_sha256([torch.ones(4)]),
+                              delivered={"a": 1}, params_sha256=params_sha256([torch.ones(4)]),
                               params_manifest=tensor_manifest([torch.ones(4)]))
     # a and b stepped from epoch 2 to 3 while the first attempt fetched epoch 2: the second fetches epoch 3
     swarm = ScriptedSwarm(claims={"me": 0, "a": 2, "b": 2}, moves_on={"a": 3, "b": 3}, donor=[None, stepped])
