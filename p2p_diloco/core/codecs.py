@@ -76,7 +76,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 128
 MAX_BLOCK_SIZE = 1 << 16
-CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "4bit")
+CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "4bit", "topk", "topk-sign")
+"""Every codec a sender may choose; ``topk`` and ``topk-sign`` are the sparse ones (``core.sparse``)."""
 
 Buffer = bytes | bytearray | memoryview
 
@@ -143,6 +144,12 @@ class Codec(ABC):
     def roundtrip(self, t: Tensor) -> Tensor:
         """``decode(encode(t))``: what a receiver will see."""
         return self.decode(self.encode(t), t.shape)
+
+    @property
+    def reply_codec(self) -> Codec:
+        """The codec a reducer sends its aggregate back with: the same one, except for the sparse codecs,
+        whose aggregate (the union of the senders' entries) goes back as ``core.sparse.SparseAverageCodec``."""
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -333,8 +340,14 @@ _CODECS: dict[str, type[Codec]] = {
 }
 
 
-def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
-    """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit."""
+def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_size: int | None = None,
+              k: int | None = None) -> Codec:
+    """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit,
+    ``chunk_size`` and ``k`` to the sparse codecs (default 64 of 4096, see ``core.sparse``)."""
+    if name in ("topk", "topk-sign"):
+        from p2p_diloco.core.sparse import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, TopKCodec
+
+        return TopKCodec(chunk_size or DEFAULT_CHUNK_SIZE, k or DEFAULT_TOPK, signs_only=name == "topk-sign")
     try:
         cls = _CODECS[name]
     except KeyError:
@@ -347,17 +360,25 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
 class ErrorFeedback:
     """Carries each tensor's quantization error over to its next encoding.
 
-    ``encode(key, t)`` encodes ``t + residual[key]`` and stores ``residual[key]`` = what the
-    receiver will not see. Over many rounds the sum of decoded tensors then stays within one
-    round's quantization error of the sum of the true tensors, instead of drifting with the
-    codec's bias. Keys identify a tensor (or tensor part) that recurs every round; a key whose
-    shape changes starts over with a zero residual.
+    ``encode(key, t)`` encodes ``t + decay * residual[key]`` and stores ``residual[key]`` = what
+    the receiver will not see, so per value ``decoded + new residual == t + decay * old residual``
+    (exactly where nothing was sent, to one fp32 rounding where a value was). With ``decay = 1``
+    the sum of decoded tensors over many rounds stays within one round's error of the sum of the
+    true tensors, instead of drifting with the codec's bias. Keys identify a tensor (or tensor
+    part) that recurs every round; a key whose shape changes starts over with a zero residual.
+
+    ``decay`` < 1 forgets old error geometrically: what a sparse codec leaves behind waits at most
+    a few dozen rounds (0.95: half-life 14 rounds) instead of arriving long after the direction
+    it pointed in stopped mattering. See ``OuterConfig.error_feedback_decay``.
 
     Residuals are fp32 on the CPU: one extra copy of everything encoded through this object.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, decay: float = 1.0) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"error feedback decay must be in [0, 1], got {decay!r}")
         self.codec = codec
+        self.decay = float(decay)
         self._residuals: dict[Hashable, Tensor] = {}
 
     def encode(self, key: Hashable, t: Tensor) -> bytes:
@@ -365,7 +386,7 @@ class ErrorFeedback:
         residual = self._residuals.get(key)
         if residual is not None:
             if residual.shape == corrected.shape:
-                corrected.add_(residual)
+                corrected.add_(residual, alpha=self.decay)
             else:
                 logger.warning(
                     "error feedback %r: shape changed to %s, residual dropped", key, tuple(t.shape)
@@ -379,7 +400,8 @@ class ErrorFeedback:
         return self._residuals.get(key)
 
     def reset(self, key: Hashable | None = None) -> None:
-        """Drop one residual, or all of them (e.g. after the parameters were resynchronised)."""
+        """Drop one residual, or all of them (e.g. after the parameters were resynchronised, or when the
+        part encoded under ``key`` was rejected by its receiver: its residual is not sent again)."""
         if key is None:
             self._residuals.clear()
         else:
