@@ -141,6 +141,11 @@ class Codec(ABC):
             numel = 1 << 24
         return 8.0 * self.encoded_nbytes(numel) / max(numel, 1)
 
+    def part_bits_per_value(self) -> float:
+        """The bits per value the all-reduce sizes its parts by (``core.robust.part_size_values``): the
+        wire's, except for the sparse codecs (see ``core.sparse.TopKCodec.part_bits_per_value``)."""
+        return self.bits_per_value()
+
     def roundtrip(self, t: Tensor) -> Tensor:
         """``decode(encode(t))``: what a receiver will see."""
         return self.decode(self.encode(t), t.shape)

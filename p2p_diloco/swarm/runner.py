@@ -283,7 +283,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             if isinstance(factor, float):
                 averaged_part = averaged_part * factor
             future = asyncio.get_running_loop().run_in_executor(
-                None, lambda: compression.compress(averaged_part, info, allow_inplace=False)
+                None, lambda: compress_average(compression, averaged_part, info)
             )
             self._averaged_parts[part_index] = future
         return future
@@ -298,7 +298,12 @@ class CountingAllReduceRunner(AllReduceRunner):
                 raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
+        compression = self.tensor_part_container.compression
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            if getattr(compression, "sparse", False):  # our own part is sent as top-k too (hivemind_codecs)
+                info = self._my_part_infos[part_index]
+                tensor_part = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda part=tensor_part, info=info: compression.own_part(part, info))
             averaged_part = await accumulate(
                 self.tensor_part_reducer, sender_index, part_index, tensor_part, self.weight
             )
@@ -316,7 +321,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             return serialized
         info, compression = self._my_part_infos[part_index], self.tensor_part_container.compression
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: compression.compress(averaged_part * factor, info, allow_inplace=False))
+            None, lambda: compress_average(compression, averaged_part * factor, info))
 
     def digests(self) -> list[bytes]:
         """Per member of the group, the sha256 of the averaged parts this peer got from it as a reducer (ours:
@@ -373,7 +378,10 @@ class CountingAllReduceRunner(AllReduceRunner):
         problem = wire_part_problem(message.tensor_part, tuple(parts[index].shape), self._compression_type)
         if problem is not None:
             return torch.empty(0), float(message.weight), problem
-        return deserialize_torch_tensor(message.tensor_part), float(message.weight), None
+        try:
+            return deserialize_torch_tensor(message.tensor_part), float(message.weight), None
+        except ValueError as e:  # our codecs' decoders name what is wrong (e.g. core.sparse.SparsePartError)
+            return torch.empty(0), float(message.weight), f"part {index} rejected by its decoder: {e}"
 
     def _replies_from(self, reducer_index: int) -> _Replies:
         replies = self._replies.get(reducer_index)
@@ -467,6 +475,15 @@ class CountingAllReduceRunner(AllReduceRunner):
         reducer = self.tensor_part_reducer
         found = reducer.rejected() if isinstance(reducer, RobustPartReducer) else {}
         return found | (self._check.failed if self._check is not None else {})
+
+
+def compress_average(compression: Any, averaged_part: torch.Tensor, info: Any) -> runtime_pb2.Tensor:
+    """The one serialization of a reducer's averaged part: our codecs' reply encoding (``compress_average``,
+    the sparse codecs' union reply, never error feedback), else the compression itself (hivemind's)."""
+    reply = getattr(compression, "compress_average", None)
+    if reply is not None:
+        return reply(averaged_part, info)
+    return compression.compress(averaged_part, info, allow_inplace=False)
 
 
 class RunnerFactory(Protocol):
