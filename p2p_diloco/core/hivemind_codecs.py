@@ -150,6 +150,9 @@ class CodecCompression(CompressionBase):
         self.reply = self.codec.reply_codec
         self._reply_header = self._header_for(self.reply)
         self.error_feedback = ErrorFeedback(self.codec, error_feedback_decay) if error_feedback else None
+        self.feedback_tensors: int | None = None
+        """Error feedback only for parts of tensors whose key (index) is below this; ``None``: all. The swarm
+        sets it to the number of fresh tensors, so the late-work region (keys from there on) is sent plainly."""
 
     @property
     def sparse(self) -> bool:
@@ -168,11 +171,16 @@ class CodecCompression(CompressionBase):
         dtype_name = str(tensor.dtype).replace("torch.", "")
         if dtype_name not in _ALLOWED_DTYPES:
             raise ValueError(f"{type(self).__name__} does not support {tensor.dtype} tensors")
-        if self.error_feedback is not None and info.key is not None and bool(tensor.any()):
+        if self._feedback_for(info) and bool(tensor.any()):
             payload = self.error_feedback.encode((info.key, info.part_index), tensor)
         else:
             payload = self.codec.encode(tensor)
         return self._message(self._header + payload, tensor, dtype_name)
+
+    def _feedback_for(self, info: CompressionInfo) -> bool:
+        if self.error_feedback is None or info.key is None:
+            return False
+        return self.feedback_tensors is None or (isinstance(info.key, int) and info.key < self.feedback_tensors)
 
     def _message(self, buffer: bytes, tensor: torch.Tensor, dtype_name: str) -> runtime_pb2.Tensor:
         return runtime_pb2.Tensor(compression=self.compression_type, buffer=buffer, size=tensor.shape,
