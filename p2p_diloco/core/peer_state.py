@@ -101,7 +101,7 @@ class OuterState:
         decoded: list[Tensor] = []
         nbytes = 0
         for index, t in enumerate(delta):
-            data = self.feedback.encode(index, t) if self.feedback else self.codec.encode(t)
+            data = self.feedback.encode(index, t) if self.feedback is not None else self.codec.encode(t)
             nbytes += len(data)
             decoded.append(self.codec.decode(data, t.shape).to(t.device))
         return decoded, nbytes
