@@ -66,6 +66,20 @@ def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compressio
     return None
 
 
+def decode_part(part: runtime_pb2.Tensor, shape: Sequence[int],
+                compression_type: int | None) -> tuple[torch.Tensor, str | None]:
+    """A sender's serialized part, decoded, or an empty tensor and why it was refused: on its protobuf fields
+    (:func:`wire_part_problem`) or by its decoder (our codecs raise ``ValueError`` naming the fault, e.g. a
+    sparse part's repeated index: ``core.sparse.SparsePartError``). Nothing of a refused part is used."""
+    problem = wire_part_problem(part, shape, compression_type)
+    if problem is not None:
+        return torch.empty(0), f"refused on the wire: {problem}"
+    try:
+        return deserialize_torch_tensor(part), None
+    except ValueError as e:
+        return torch.empty(0), f"rejected by its decoder: {e}"
+
+
 FaultHook = Callable[[str], "bool | float | None"]
 """Called inside the averager process at named stages: "allreduce_begin", "corrupt_input" (returning a number
 multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzantine sender), "announce" (on
@@ -343,7 +357,7 @@ class CountingAllReduceRunner(AllReduceRunner):
                 if problem is not None:
                     # Not decoded. Still counted, as every rejected part is (the reducer's contract), so the
                     # group's other senders are not held up; the averager bans the sender for the run.
-                    logger.warning("Refused part %d of %s before decoding: %s", part_index,
+                    logger.warning("Refused part %d of %s: %s", part_index,
                                    self.sender_peer_ids[sender_index], problem)
                     rejections = getattr(self.tensor_part_reducer, "rejections", None)
                     if rejections is None:
@@ -375,13 +389,8 @@ class CountingAllReduceRunner(AllReduceRunner):
         parts = self.parts_for_local_averaging
         if index >= len(parts):
             return torch.empty(0), 0.0, f"part {index} past the {len(parts)} this peer reduces"
-        problem = wire_part_problem(message.tensor_part, tuple(parts[index].shape), self._compression_type)
-        if problem is not None:
-            return torch.empty(0), float(message.weight), problem
-        try:
-            return deserialize_torch_tensor(message.tensor_part), float(message.weight), None
-        except ValueError as e:  # our codecs' decoders name what is wrong (e.g. core.sparse.SparsePartError)
-            return torch.empty(0), float(message.weight), f"part {index} rejected by its decoder: {e}"
+        part, problem = decode_part(message.tensor_part, tuple(parts[index].shape), self._compression_type)
+        return part, float(message.weight), None if problem is None else f"part {index} {problem}"
 
     def _replies_from(self, reducer_index: int) -> _Replies:
         replies = self._replies.get(reducer_index)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -214,3 +215,36 @@ def test_get_codec_names_the_sparse_codecs():
     assert get_codec("topk-sign", chunk_size=1024, k=8).signs_only
     assert isinstance(get_codec("topk").reply_codec, SparseAverageCodec)
     assert get_codec("4bit").reply_codec.name == "4bit"
+
+
+# --- at the reducer: a hostile part is refused whole, with the decoder's reason ------------------------------
+
+@pytest.mark.parametrize("payload, reason", [
+    (_part([3], [ONE, TWO], [1, 5, 5], [0, 1, 2]), "repeated index"),
+    (_part([5], [ONE, TWO], [1, 2, 3, 4, 5], [0] * 5), "more than k entries"),
+    (_part([3], [0x7FC0, TWO], [1, 5, 9], [0, 1, 2]), "NaN or infinite scale"),
+    (_part([3], [ONE, TWO], [1, 5, 9], [0, 1, 2]) + b"\0", "declared size disagrees"),
+])
+def test_the_reducer_refuses_hostile_sparse_parts_with_their_reason(payload, reason):
+    from hivemind.compression import serialization
+    from hivemind.proto import runtime_pb2
+
+    from p2p_diloco.core.hivemind_codecs import HIVEMIND_SLOT, CodecCompression, install, uninstall
+    from p2p_diloco.swarm.runner import decode_part
+
+    compression = CodecCompression("topk", chunk_size=16, k=4)
+    previous = install(compression)
+    try:
+        x = torch.zeros(16)
+        good = compression.compress(x + _data(16), serialization.CompressionInfo.from_tensor(x, key=0))
+        part, problem = decode_part(good, (16,), compression.compression_type)
+        assert problem is None and int((part != 0).sum()) == 4
+        hostile = runtime_pb2.Tensor()
+        hostile.CopyFrom(good)
+        hostile.buffer = good.buffer[:8] + payload  # the adapter's header, then the hand-written part
+        part, problem = decode_part(hostile, (16,), compression.compression_type)
+        assert part.numel() == 0 and problem is not None and "rejected by its decoder" in problem
+        assert re.search(reason, problem), problem
+    finally:
+        uninstall(previous)
+    assert serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] is previous
