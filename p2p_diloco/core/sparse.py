@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from p2p_diloco.core.codecs import Buffer, Codec, _as_bytes_view, _flat_fp32, _numel
+from p2p_diloco.core.codec_base import Buffer, Codec, _as_bytes_view, _flat_fp32, _numel
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
