@@ -48,6 +48,13 @@ non-zero only on the union of the senders' entries, at most ``N·k`` per chunk, 
 goes through the same encoding (and error feedback) before it joins the others (:meth:`own_part`), so
 every sender's contribution is its top-k, its own included. A part that fails to decode is rejected with
 the decoder's reason (``SparsePartError``) and the sender's data is dropped from the whole round.
+
+Known limits of error feedback on the wire: the residual is updated when a part is encoded, so a round
+that is skipped after its parts went out counts them as sent (the pseudo-gradient itself is kept as late
+work and sent again, so its share is not lost, but the old residual's share is); the late-work region is
+sent without error feedback (no second model-sized residual), so late work under a sparse codec arrives as
+its top-k only; and a sender learns that a remote reducer rejected it only by being banned, so only a
+rejection by our own reducer resets our residuals (``swarm.round_process``).
 """
 
 from __future__ import annotations
