@@ -231,7 +231,7 @@ class OuterConfig:
     where nothing is lost to compression."""
 
     topk_chunk_size: int = 4096
-    """Values per chunk for the sparse codecs (a power of two, 16-65536): top-k is taken per chunk, so every
+    """Values per chunk for the sparse codecs (a power of two, 16-32768): top-k is taken per chunk, so every
     region of the model gets ``topk_k / topk_chunk_size`` of the bandwidth. 4096 is the published setting;
     smaller chunks spread the bandwidth more evenly, larger ones let the largest values of a region win."""
 
@@ -276,9 +276,9 @@ class OuterConfig:
             )
         if self.compression not in CODECS:
             raise ValueError(f"compression: must be one of {', '.join(CODECS)}, got {self.compression!r}")
-        if not (16 <= self.topk_chunk_size <= 65536 and self.topk_chunk_size & (self.topk_chunk_size - 1) == 0):
-            raise ValueError(f"topk_chunk_size: must be a power of two in [16, 65536], got {self.topk_chunk_size}")
-        if not 1 <= self.topk_k <= min(self.topk_chunk_size, 65535):
+        if not (16 <= self.topk_chunk_size <= 32768 and self.topk_chunk_size & (self.topk_chunk_size - 1) == 0):
+            raise ValueError(f"topk_chunk_size: must be a power of two in [16, 32768], got {self.topk_chunk_size}")
+        if not 1 <= self.topk_k <= self.topk_chunk_size:
             raise ValueError(f"topk_k: must be in [1, topk_chunk_size={self.topk_chunk_size}], got {self.topk_k}")
         _check_range("error_feedback_decay", self.error_feedback_decay, 0.0, 1.0)
         if self.overlap not in ("none", "eager"):

@@ -273,7 +273,8 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_size: in
     """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit,
     ``chunk_size`` and ``k`` to the sparse codecs (default 64 of 4096, see ``core.sparse``)."""
     if name in ("topk", "topk-sign"):
-        return TopKCodec(chunk_size or DEFAULT_CHUNK_SIZE, k or DEFAULT_TOPK, signs_only=name == "topk-sign")
+        return TopKCodec(DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
+                         DEFAULT_TOPK if k is None else k, signs_only=name == "topk-sign")
     try:
         cls = _CODECS[name]
     except KeyError:

@@ -112,11 +112,11 @@ def _codec_for(codec_id: int, param: int) -> Codec:
         raise ValueError(f"unknown codec id {codec_id}")
     name = _WIRE_NAMES[codec_id]
     if name == SparseAverageCodec.name:
-        if param & 0xFFFF or not 4 <= param >> 16 <= 16:
+        if param & 0xFFFF or not 4 <= param >> 16 <= 15:
             raise ValueError(f"parameter {param:#x} is invalid for codec {name!r}")
         return SparseAverageCodec(1 << (param >> 16))
     if name in ("topk", "topk-sign"):
-        if not 4 <= param >> 16 <= 16:
+        if not 4 <= param >> 16 <= 15:
             raise ValueError(f"parameter {param:#x} is invalid for codec {name!r}")
         return get_codec(name, chunk_size=1 << (param >> 16), k=param & 0xFFFF)
     codec = get_codec(name, param) if param else get_codec(name)

@@ -21,8 +21,9 @@ Design decisions (measured where a number is given):
 
 * **Chunks of a part.** Top-k is taken per chunk of ``C`` consecutive values of the part being sent (an
   all-reduce part, or a whole tensor in the simulator), so every region of the model gets its share of the
-  bandwidth and a chunk can be encoded and checked on its own. ``C`` is a power of two in [16, 65536]; the
-  last chunk of a part may be shorter (it keeps ``min(k, its length)``).
+  bandwidth and a chunk can be encoded and checked on its own. ``C`` is a power of two in [16, 32768] (a
+  reply counts a chunk's entries in 16 bits); the last chunk of a part may be shorter (it keeps
+  ``min(k, its length)``).
 * **Two levels per chunk for 2 bits.** A kept value is sent as its sign and one bit choosing the chunk's low
   or high level; the levels are fitted to the chunk's kept magnitudes by three Lloyd iterations (threshold
   midway between the levels, each level the mean of its group). Relative RMS error on the kept values
@@ -79,7 +80,7 @@ __all__ = [
 DEFAULT_CHUNK_SIZE = 4096
 DEFAULT_TOPK = 64
 SPARSE_CODEC_NAMES: tuple[str, ...] = ("topk", "topk-sign")
-MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 1 << 16
+MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 1 << 15
 _LLOYD_ITERATIONS = 3
 
 
@@ -88,14 +89,14 @@ class SparsePartError(ValueError):
 
 
 def check_sparse_params(chunk_size: int, k: int) -> None:
-    """Raise ValueError unless ``chunk_size`` is a power of two in [16, 65536] and ``1 <= k <= chunk_size``."""
+    """Raise ValueError unless ``chunk_size`` is a power of two in [16, 32768] and ``1 <= k <= chunk_size``."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
         MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE and chunk_size & (chunk_size - 1) == 0
     ):
         raise ValueError(f"chunk size must be a power of two in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], "
                          f"got {chunk_size!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(chunk_size, 65535):
-        raise ValueError(f"k must be an integer in [1, {min(chunk_size, 65535)}] for chunk size {chunk_size}, "
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= chunk_size:
+        raise ValueError(f"k must be an integer in [1, {chunk_size}] for chunk size {chunk_size}, "
                          f"got {k!r}")
 
 
@@ -191,7 +192,7 @@ class TopKCodec(_SparseBase):
     """``topk`` (2-bit levels) and ``topk-sign`` (signs and one scale): see the module docstring.
 
     Args:
-        chunk_size: values per chunk (power of two, 16-65536). Larger chunks follow the largest values of the
+        chunk_size: values per chunk (power of two, 16-32768). Larger chunks follow the largest values of the
             whole part more freely; smaller ones spread the bandwidth more evenly. 4096 is the published
             setting (64 of 4096, 1.56%).
         k: values kept per chunk. Bytes grow about linearly with k; with error feedback a smaller k delays
@@ -329,7 +330,7 @@ class SparseAverageCodec(_SparseBase):
     name = "topk-reply"
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(chunk_size, min(chunk_size, 65535))
+        super().__init__(chunk_size, chunk_size)
 
     def nbytes_for(self, numel: int, entries: int) -> int:
         """Exact bytes of a reply part of ``numel`` values with ``entries`` non-zero ones in all."""
