@@ -1,0 +1,87 @@
+"""The sparse codec against none and 4bit in the simulator: final eval loss and bytes per peer per round.
+
+Runs ``python -m p2p_diloco.simulate`` settings (diloco mode, the simulator's defaults: tiny preset, 4 workers,
+H = 20, 10 rounds, outer lr 1 and momentum 0) once per codec and seed, through the same core code the swarm
+runs (codec, error feedback, the reducers' reply codec), and writes ``results/sparse_codec.json`` and the
+``sparse-codec`` section of BENCHMARKS.md::
+
+    python benchmarks/sparse_codec.py --seeds 0              # runs every codec (minutes each on a CPU)
+    python benchmarks/sparse_codec.py --reuse DIR --seeds 0  # reads DIR/{label}_s{seed}.json written by
+                                                             # `python -m p2p_diloco.simulate ... --json`
+
+Bytes are the simulator's count of what each peer sends (its parts and, as a reducer, its share of the
+replies), per round; a peer receives as much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from pathlib import Path
+
+from benchmarks.report import replace_section
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = {
+    "none": ["--compression", "none"],
+    "4bit": ["--compression", "4bit"],
+    "topk_ef095": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95"],
+}
+LABELS = {"none": "none", "4bit": "4bit", "topk_ef095": "topk 64/4096 + error feedback 0.95"}
+BASE = ["--mode", "diloco", "--workers", "4", "--rounds", "10"]
+
+
+def _run(label: str, seed: int) -> dict:
+    from p2p_diloco.simulate.__main__ import main
+
+    out = RESULTS / f"sparse_codec_{label}_s{seed}.json"
+    code = main([*BASE, *RUNS[label], "--seed", str(seed), "--json", str(out)])
+    if code:
+        raise SystemExit(f"simulator run {label} seed {seed} failed with {code}")
+    return json.loads(out.read_text())
+
+
+def report(rows: dict[str, list[dict]]) -> list[str]:
+    none = rows["none"]
+    fp32_per_round = none[0]["total_bytes_sent_per_worker"] / len(none[0]["rounds"])
+    base_loss = sum(r["final_eval_loss"] for r in none) / len(none)
+    lines = [
+        "Simulator (`benchmarks/sparse_codec.py`): diloco mode, tiny preset, 4 workers, H = 20, 10 rounds, outer lr 1,",
+        f"momentum 0; seeds {sorted({r['seed'] for runs in rows.values() for r in runs})}. Bytes per peer per round"
+        " both ways (its parts, and its share of the reducers' replies); a peer receives as much.",
+        "",
+        "| codec | final eval loss | vs none | bytes sent per peer per round | / fp32 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, runs in rows.items():
+        loss = sum(r["final_eval_loss"] for r in runs) / len(runs)
+        per_round = sum(r["total_bytes_sent_per_worker"] / len(r["rounds"]) for r in runs) / len(runs)
+        lines.append(f"| {LABELS[label]} | {loss:.4f} | {100 * (loss / base_loss - 1):+.2f}% | "
+                     f"{per_round:,.0f} | 1/{fp32_per_round / per_round:.1f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--reuse", type=Path, help="read {label}_s{seed}.json from here instead of running")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows: dict[str, list[dict]] = {}
+    for label in RUNS:
+        for seed in args.seeds:
+            data = json.loads((args.reuse / f"{label}_s{seed}.json").read_text()) if args.reuse else _run(label, seed)
+            assert math.isfinite(data["final_eval_loss"])
+            rows.setdefault(label, []).append(data)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "sparse_codec.json").write_text(json.dumps(rows, indent=1))
+    lines = report(rows)
+    replace_section(ROOT / "BENCHMARKS.md", "sparse-codec", "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
