@@ -1,7 +1,7 @@
 """The sparse codec against none and 4bit in the simulator: final eval loss and bytes per peer per round.
 
-Runs ``python -m p2p_diloco.simulate`` settings (diloco mode, the simulator's defaults: tiny preset, 4 workers,
-H = 20, 10 rounds, outer lr 1 and momentum 0) once per codec and seed, through the same core code the swarm
+Runs ``python -m p2p_diloco.simulate`` (diloco mode, tiny preset, 4 workers, H = 10, 6 rounds, batch 4 x 64,
+outer lr 1 and momentum 0: a short run that a shared 2-core machine finishes in minutes) once per codec and seed, through the same core code the swarm
 runs (codec, error feedback, the reducers' reply codec), and writes ``results/sparse_codec.json`` and the
 ``sparse-codec`` section of BENCHMARKS.md::
 
@@ -31,7 +31,8 @@ RUNS = {
     "topk_ef095": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95"],
 }
 LABELS = {"none": "none", "4bit": "4bit", "topk_ef095": "topk 64/4096 + error feedback 0.95"}
-BASE = ["--mode", "diloco", "--workers", "4", "--rounds", "10"]
+BASE = ["--mode", "diloco", "--workers", "4", "--rounds", "6", "--local-steps", "10", "--batch-size", "4",
+        "--seq-len", "64", "--eval-batches", "2"]
 
 
 def _run(label: str, seed: int) -> dict:
@@ -49,8 +50,8 @@ def report(rows: dict[str, list[dict]]) -> list[str]:
     fp32_per_round = none[0]["total_bytes_sent_per_worker"] / len(none[0]["rounds"])
     base_loss = sum(r["final_eval_loss"] for r in none) / len(none)
     lines = [
-        "Simulator (`benchmarks/sparse_codec.py`): diloco mode, tiny preset, 4 workers, H = 20, 10 rounds, outer lr 1,",
-        f"momentum 0; seeds {sorted({r['seed'] for runs in rows.values() for r in runs})}. Bytes per peer per round"
+        "Simulator (`benchmarks/sparse_codec.py`): diloco mode, tiny preset, 4 workers, H = 10, 6 rounds, batch 4 x 64,",
+        f"outer lr 1, momentum 0; seeds {sorted({r['seed'] for runs in rows.values() for r in runs})}. Bytes per peer per round"
         " both ways (its parts, and its share of the reducers' replies); a peer receives as much.",
         "",
         "| codec | final eval loss | vs none | bytes sent per peer per round | / fp32 |",
