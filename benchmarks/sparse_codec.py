@@ -29,8 +29,11 @@ RUNS = {
     "none": ["--compression", "none"],
     "4bit": ["--compression", "4bit"],
     "topk_ef095": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95"],
+    "topk_ef1": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "1"],
+    "topk256_ef095": ["--compression", "topk", "--topk-k", "256", "--error-feedback", "--error-feedback-decay", "0.95"],
 }
-LABELS = {"none": "none", "4bit": "4bit", "topk_ef095": "topk 64/4096 + error feedback 0.95"}
+LABELS = {"none": "none", "4bit": "4bit", "topk_ef095": "topk 64/4096 + error feedback 0.95",
+          "topk_ef1": "topk 64/4096 + error feedback 1.0", "topk256_ef095": "topk 256/4096 + error feedback 0.95"}
 BASE = ["--mode", "diloco", "--workers", "4", "--rounds", "6", "--local-steps", "10", "--batch-size", "4",
         "--seq-len", "64", "--eval-batches", "2"]
 
@@ -62,6 +65,26 @@ def report(rows: dict[str, list[dict]]) -> list[str]:
         per_round = sum(r["total_bytes_sent_per_worker"] / len(r["rounds"]) for r in runs) / len(runs)
         lines.append(f"| {LABELS[label]} | {loss:.4f} | {100 * (loss / base_loss - 1):+.2f}% | "
                      f"{per_round:,.0f} | 1/{fp32_per_round / per_round:.1f} |")
+    if "topk_ef095" in rows:
+        runs = rows["topk_ef095"]
+        loss = sum(r["final_eval_loss"] for r in runs) / len(runs)
+        ratio = fp32_per_round / (sum(r["total_bytes_sent_per_worker"] / len(r["rounds"]) for r in runs) / len(runs))
+        lines += [
+            "",
+            "| target (issue 35) | measured (topk 64/4096, error feedback 0.95) | met |",
+            "| --- | --- | --- |",
+            f"| bytes sent per peer per round <= 1/100 of fp32 | 1/{ratio:.1f} | {'yes' if ratio >= 100 else 'no'} |",
+            f"| final eval loss within 1% of none | {100 * (loss / base_loss - 1):+.2f}% | "
+            f"{'yes' if loss <= 1.01 * base_loss else 'no'} |",
+            "",
+            "Why the bytes target is missed: a sender's own parts are 1/140 of fp32, but in the butterfly all-reduce",
+            "each reducer sends the aggregate of its slice back to every member, and that aggregate is the union of",
+            "the senders' entries (up to 4 x 64 per chunk here) with 12-bit offsets (or a bitmap) and int8 values:",
+            "most of the bytes. Sending the aggregate back as its own top-k would bring both directions to about",
+            "1/140, at the price of the entries it drops (not measured). Why the loss target is missed here: in",
+            "6 rounds each worker sends 1.56% of its values per round, and what waits in the residual has not reached",
+            "the shared parameters the next inner phase starts from; the published results are from far longer runs.",
+        ]
     return lines
 
 
