@@ -226,9 +226,11 @@ class OuterConfig:
     their signs only (1/153). The sparse codecs need ``error_feedback`` (98% of each round's values wait in
     it for a later round). A reducer answers with the union of its senders' entries (int8 values): about
     1/16 of fp32 at 8 members whose entries do not coincide, less where they do; that answer, sent to every
-    member, is most of a sparse round's bytes (see ``core.sparse``). Choose 'topk' when the uplink, not
-    compute, bounds the round (home links, models of 1B and more); keep 'none' or 'fp16' on fast links,
-    where nothing is lost to compression."""
+    member, is most of a sparse round's bytes (see ``core.sparse``). Measured so far (BENCHMARKS.md,
+    "Sparse-codec", tiny preset, 4 workers, 6 rounds of H = 10, one seed): 4bit cost 0.03% of final eval loss
+    at 1/7.8 of fp32's bytes; topk 64/4096 cost 56% at 1/53, topk 256/4096 13% at 1/19.5. So the default
+    stays 'none'; choose 4bit on home links, and topk only for long runs whose round the uplink bounds (1B+
+    models), after checking its loss at your run length with ``python -m p2p_diloco.simulate``."""
 
     topk_chunk_size: int = 4096
     """Values per chunk for the sparse codecs (a power of two, 16-32768): top-k is taken per chunk, so every
