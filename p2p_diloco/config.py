@@ -228,7 +228,8 @@ class OuterConfig:
     1/16 of fp32 at 8 members whose entries do not coincide, less where they do; that answer, sent to every
     member, is most of a sparse round's bytes (see ``core.sparse``). Measured so far (BENCHMARKS.md,
     "Sparse-codec", tiny preset, 4 workers, 6 rounds of H = 10, one seed): 4bit cost 0.03% of final eval loss
-    at 1/7.8 of fp32's bytes; topk 64/4096 cost 56% at 1/53, topk 256/4096 13% at 1/19.5. So the default
+    at 1/7.8 of fp32's bytes; topk 64/4096 cost 56% at 1/53, topk 256/4096 13% at 1/19.5; over 20 rounds
+    4bit cost 0.05% and topk 64/4096 8.9% (at 1/49.5): the gap closes with rounds, not yet gone. So the default
     stays 'none'; choose 4bit on home links, and topk only for long runs whose round the uplink bounds (1B+
     models), after checking its loss at your run length with ``python -m p2p_diloco.simulate``."""
 
