@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from swarm_procs import SYNCED, events, start_bootstrap, start_peer, tail, wait_all
+from swarm_procs import SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +57,34 @@ def test_three_peers_with_the_sparse_codec_keep_identical_parameters(tmp_path: P
             if r["outcome"] == "averaged" and r["group_size"] == 3:
                 # fp32 would send 2 * (2/3) * 4 bytes per parameter; 4bit about 1/8 of that
                 assert r["bytes_sent"] < 2 * 2 / 3 * 4 * numel / 16, (name, r["bytes_sent"], numel)
+
+
+@pytest.mark.timeout(600)
+def test_late_work_folds_with_the_sparse_codec(tmp_path: Path) -> None:
+    # c is slowed during epoch 1, misses that round and folds its work into a later one (as in
+    # test_peer_swarm.py, whose notes on --max-staleness apply here too)
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = {}
+    args = ("--run-id", "sparse-late", "--max-rounds", "40", "--max-staleness", "100", *SPARSE)
+    try:
+        procs = {"a": start_peer(tmp_path, "a", maddr, *args), "b": start_peer(tmp_path, "b", maddr, *args),
+                 "c": start_peer(tmp_path, "c", maddr, *args, faults="slow_steps@1=0.8")}
+        wait_for(lambda: any(r["outcome"] == "folded_late" for r in events(tmp_path, "c", "round")), 400,
+                 "c's late work folded")
+        for proc in procs.values():
+            proc.terminate()
+        codes = wait_all(procs, 120)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        boot.terminate()
+    assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in procs}
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    for name in procs:
+        for r in events(tmp_path, name, "round"):
+            if r["outcome"] in SYNCED:
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+    assert by_epoch and all(len(shas) == 1 for shas in by_epoch.values()), by_epoch
+    folded = [r for r in events(tmp_path, "c", "round") if r["outcome"] == "folded_late"]
+    assert folded and folded[0]["params_sha256"] in by_epoch[folded[0]["new_epoch"]]
