@@ -33,11 +33,13 @@ Design decisions (measured where a number is given):
   (L2) than the kept values (Jensen), and those never longer than the chunk: the codec cannot raise a
   norm beyond the bf16 rounding of the levels.
 * **Indices: fixed ``log2(C)``-bit offsets** (12 bits at 4096), sorted, LSB first. Measured on the top 64 of
-  4096 Gaussian values, Rice coding of the gaps (parameter 5) would take 7.6 bits per index, the entropy bound
-  is 7.4, a bitmap 64; Rice would save 3.5 of every 12 bits, 25% of the part. Fixed offsets were chosen
-  because a part's exact size then follows from its per-chunk counts alone (checked before any value is
-  read), decoding is a vectorised unpack instead of a bit-serial parse of hostile input, and at 1/144 of fp32
-  the target of 1/100 is met without it. Revisit when the bytes matter more than that simplicity.
+  4096 Gaussian values (256 chunks), Rice coding of the gaps would take 7.50 bits per index (parameter 5;
+  8.44 at 4, 7.56 at 6), the entropy bound is 7.36, a bitmap 64: Rice would save 4.5 of every 12 bits, 117
+  bytes per chunk down to 81 (1/202 of fp32 instead of 1/140). Fixed offsets were chosen because a part's
+  exact size then follows from its per-chunk counts alone (checked before any value is read), and decoding
+  is a vectorised unpack instead of a bit-serial parse of hostile input. The senders' parts are not most of
+  a round's bytes (the reducers' union replies are, see below), so Rice would cut a round's bytes by far
+  less than 31%; revisit together with the replies.
 * **Variable counts.** A chunk sends ``min(k, its non-zero values)`` entries, one count byte per chunk (two
   when ``k > 255``): an all-zero chunk (a member without late work, a frozen layer) costs 1 + levels bytes.
 * **The reducer's reply** (``SparseAverageCodec``): the aggregate of N senders' top-k parts is non-zero only
