@@ -8,8 +8,8 @@ name           what is sent per chunk of ``C`` values (default 64 of 4096)  byte
 ``topk``       the ``k`` largest magnitudes: 12-bit offsets, 2-bit codes     117 / 16384 = 1/140
                (sign, low/high level) and two bf16 levels
 ``topk-sign``  the same offsets, 1-bit signs and one bf16 scale              107 / 16384 = 1/153
-reply          the reducer's aggregate of up to ``N·k`` entries per chunk:   about 2 bits per value of
-               positions (offsets or a bitmap) and int8 × bf16 chunk scale   the union at N = 8
+reply          the reducer's aggregate of up to ``N·k`` entries per chunk:   1/16 at N = 8 (1.96 bits a
+               positions (offsets or a bitmap) and int8 × bf16 chunk scale   value, random entries)
 =============  ===========================================================  ==========================
 
 The byte counts are exact, every count, level, index and padding bit included (the wire adapter adds its
@@ -326,7 +326,7 @@ class SparseAverageCodec(_SparseBase):
 
     ``k`` is the most entries a chunk of a reply may hold; the wire adapter sets it to the chunk size (a
     reply is checked against the shape, not a group size the receiver would have to trust), so a hostile
-    reducer can at most send a dense part, at about 1.25 bytes per value.
+    reducer can at most send a dense part, at about 1.13 bytes per value.
     """
 
     name = "topk-reply"
