@@ -6,7 +6,7 @@ Two codecs a sender chooses between, and one a reducer answers with:
 name           what is sent per chunk of ``C`` values (default 64 of 4096)  bytes / fp32 (C=4096, k=64)
 =============  ===========================================================  ==========================
 ``topk``       the ``k`` largest magnitudes: 12-bit offsets, 2-bit codes     117 / 16384 = 1/140
-               (sign, low/high level) and two bf16 levels
+               (sign, low/high level), two bf16 levels, a count byte
 ``topk-sign``  the same offsets, 1-bit signs and one bf16 scale              107 / 16384 = 1/153
 reply          the reducer's aggregate of up to ``N·k`` entries per chunk:   1/16 at N = 8 (1.96 bits a
                positions (offsets or a bitmap) and int8 × bf16 chunk scale   value, random entries)
