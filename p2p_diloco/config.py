@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-CODECS = ("none", "fp16", "int8", "4bit")
+CODECS = ("none", "fp16", "int8", "4bit", "topk", "topk-sign")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
@@ -219,12 +219,41 @@ class OuterConfig:
     min_local_steps: int = 5
     """Floor on a slow peer's DyLU step count, so that its contribution is worth the round trip."""
 
-    compression: Literal["none", "fp16", "int8", "4bit"] = "none"
+    compression: Literal["none", "fp16", "int8", "4bit", "topk", "topk-sign"] = "none"
     """Codec for pseudo-gradients on the wire: fp16 halves the bytes, int8 quarters them, 4bit sends about
-    1/8 of fp32 (per-block scales)."""
+    1/8 of fp32 (per-block scales). 'topk' sends the ``topk_k`` largest of every ``topk_chunk_size`` values at
+    2 bits each with 12-bit positions: a sender's parts are 1/140 of fp32 at 64 of 4096; 'topk-sign' sends
+    their signs only (1/153). The sparse codecs need ``error_feedback`` (98% of each round's values wait in
+    it for a later round). A reducer answers with the union of its senders' entries (int8 values): about
+    1/16 of fp32 at 8 members whose entries do not coincide, less where they do; that answer, sent to every
+    member, is most of a sparse round's bytes (see ``core.sparse``). Measured so far (BENCHMARKS.md,
+    "Sparse-codec", tiny preset, 4 workers, 6 rounds of H = 10, one seed): 4bit cost 0.03% of final eval loss
+    at 1/7.8 of fp32's bytes; topk 64/4096 cost 56% at 1/53, topk 256/4096 13% at 1/19.5; over 20 rounds
+    4bit cost 0.05% and topk 64/4096 8.9% (at 1/49.5): the gap closes with rounds, not yet gone. So the default
+    stays 'none'; choose 4bit on home links, and topk only for long runs whose round the uplink bounds (1B+
+    models), after checking its loss at your run length with ``python -m p2p_diloco.simulate``."""
+
+    topk_chunk_size: int = 4096
+    """Values per chunk for the sparse codecs (a power of two, 16-32768): top-k is taken per chunk, so every
+    region of the model gets ``topk_k / topk_chunk_size`` of the bandwidth. 4096 is the published setting;
+    smaller chunks spread the bandwidth more evenly, larger ones let the largest values of a region win."""
+
+    topk_k: int = 64
+    """Values kept per chunk by the sparse codecs (1..chunk size): the bytes grow about linearly with it
+    (64 of 4096 = 1.56%: 117 bytes per chunk, 1/140 of fp32). With error feedback a smaller k delays values
+    rather than losing them; lower it when the uplink is the bottleneck, raise it if the loss suffers."""
 
     error_feedback: bool = False
-    """Keep what lossy compression dropped and add it to the next round's pseudo-gradient."""
+    """Keep what lossy compression dropped and add it to the next round's pseudo-gradient. Needed with the
+    sparse codecs; helps 4bit a little. One more model-sized fp32 buffer on the host (in the averager
+    process), for the whole run."""
+
+    error_feedback_decay: float = 1.0
+    """Factor on the carried error before it is added to the next round (0-1). 1 keeps all of it: right for
+    the dense codecs, whose error is a small rounding. With the sparse codecs a value may wait many rounds,
+    and a stale direction is worth less than a fresh one: 0.95 (the published SparseLoCo setting; half-life 14
+    rounds) forgets it geometrically. Lower (0.8-0.9) for few, long rounds; 1 when every round is short and
+    the same direction persists. 0 drops the error each round (no feedback at all)."""
 
     overlap: Literal["none", "eager"] = "none"
     """'none': wait for each round's all-reduce before training on (every peer holds identical parameters).
@@ -250,6 +279,11 @@ class OuterConfig:
             )
         if self.compression not in CODECS:
             raise ValueError(f"compression: must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        if not (16 <= self.topk_chunk_size <= 32768 and self.topk_chunk_size & (self.topk_chunk_size - 1) == 0):
+            raise ValueError(f"topk_chunk_size: must be a power of two in [16, 32768], got {self.topk_chunk_size}")
+        if not 1 <= self.topk_k <= self.topk_chunk_size:
+            raise ValueError(f"topk_k: must be in [1, topk_chunk_size={self.topk_chunk_size}], got {self.topk_k}")
+        _check_range("error_feedback_decay", self.error_feedback_decay, 0.0, 1.0)
         if self.overlap not in ("none", "eager"):
             raise ValueError(f"overlap: must be 'none' or 'eager', got {self.overlap!r}")
         if not 0 <= self.max_staleness <= 1000:

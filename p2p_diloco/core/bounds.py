@@ -36,21 +36,32 @@ from collections.abc import Sequence
 
 import torch
 
-CODEC_NORM_GAIN = {"none": 1.0, "fp16": 1.0 + 2.0**-10, "int8": 1.1, "4bit": 1.45}
+CODEC_NORM_GAIN = {"none": 1.0, "fp16": 1.0 + 2.0**-10, "int8": 1.1, "4bit": 1.45, "topk": 1.1, "topk-sign": 1.1}
 """How much each codec's round trip can raise a vector's L2 norm, with margin: fp16 rounds to 11 bits; int8 moves
 each value by at most absmax/254 (at most 4.5% of a block's norm with 128 values); E3M0 rounds up by at most
-1/3 (plus up to absmax/256 for the smallest values and 0.8% for the bf16 scale)."""
+1/3 (plus up to absmax/256 for the smallest values and 0.8% for the bf16 scale). The sparse codecs never raise
+a chunk's norm beyond the bf16 rounding of their levels (each level is a mean of the magnitudes it stands
+for), but a reducer answers with int8 (``core.sparse.SparseAverageCodec``): int8's gain."""
 ERROR_FEEDBACK_SLACK = 2.0
 """Factor allowed on top of a codec's gain when error feedback adds last round's residual to the values."""
 FLOAT_SLACK = 1.001
 """Room for float32 rounding in sums and rescaling."""
 
 
-def norm_tolerance(codec: str, error_feedback: bool) -> float:
-    """The factor by which a sent vector may exceed its announced norm, for a codec of ``CODEC_NORM_GAIN``."""
+def norm_tolerance(codec: str, error_feedback: bool, density: float = 1.0) -> float:
+    """The factor by which a sent vector may exceed its announced norm, for a codec of ``CODEC_NORM_GAIN``.
+
+    ``density`` is the share of values a sparse codec sends per round (k / chunk size). With error feedback a
+    sparse sender's residual holds what earlier rounds did not send, and in a steady state it sends about as
+    much mass per round as comes in, concentrated on ``density`` of the values: up to ``1/sqrt(density)``
+    times the L2 norm of the same mass spread out (8x at 64 of 4096). That factor is allowed on top, so the
+    bound on a reducer's output is that much looser with a sparse codec."""
     if codec not in CODEC_NORM_GAIN:
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODEC_NORM_GAIN)}")
-    return FLOAT_SLACK * CODEC_NORM_GAIN[codec] * (ERROR_FEEDBACK_SLACK if error_feedback else 1.0)
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    feedback = ERROR_FEEDBACK_SLACK / math.sqrt(density) if error_feedback else 1.0
+    return FLOAT_SLACK * CODEC_NORM_GAIN[codec] * feedback
 
 
 def l2_norm(tensors: Sequence[torch.Tensor]) -> float:

@@ -1,6 +1,8 @@
 """Pseudo-gradient codecs: how many bits each value costs on the wire.
 
-Four codecs, chosen by name with :func:`get_codec`:
+Four dense codecs here, and two sparse ones (``topk``, ``topk-sign``: chunked top-k at 2 or 1 bits per kept
+value, 1/140 and 1/153 of fp32 at 64 of 4096) in :mod:`p2p_diloco.core.sparse`; all chosen by name with
+:func:`get_codec`:
 
 ========  =========================================  ===============================
 name      format                                     bits/value (block 128)
@@ -51,13 +53,15 @@ bf16 scales, then the codes (n bytes, resp. ``ceil(n/2)`` bytes).
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from typing import ClassVar
+from abc import abstractmethod
+from collections.abc import Hashable
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from p2p_diloco.core.codec_base import Codec, _flat_fp32
+from p2p_diloco.core.sparse import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, TopKCodec
 
 __all__ = [
     "CODEC_NAMES",
@@ -76,77 +80,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 128
 MAX_BLOCK_SIZE = 1 << 16
-CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "4bit")
-
-Buffer = bytes | bytearray | memoryview
-
-
-def _as_bytes_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
-    return view
-
-
-def _numel(shape: Sequence[int]) -> int:
-    numel = 1
-    for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 0:
-            raise ValueError(f"invalid shape {tuple(shape)}: dimensions must be integers >= 0")
-        numel *= int(dim)
-    return numel
-
-
-def _flat_fp32(t: Tensor) -> Tensor:
-    if not torch.is_floating_point(t):
-        raise ValueError(f"codecs encode floating-point tensors, got {t.dtype}")
-    flat = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError("refusing to encode a tensor with NaN or infinite values")
-    return flat
-
-
-class Codec(ABC):
-    """Turns an fp32 tensor into bytes and back. Stateless and thread-safe."""
-
-    name: ClassVar[str]
-
-    @abstractmethod
-    def encoded_nbytes(self, numel: int) -> int:
-        """The exact length of ``encode`` output for a tensor of ``numel`` values."""
-
-    @abstractmethod
-    def encode(self, t: Tensor) -> bytes:
-        """Encode any floating tensor (any device); raises ValueError on NaN or infinity."""
-
-    @abstractmethod
-    def _decode_flat(self, view: memoryview, numel: int) -> Tensor:
-        """Decode exactly ``encoded_nbytes(numel)`` validated-length bytes to a flat fp32 tensor."""
-
-    def decode(self, data: Buffer, shape: Sequence[int]) -> Tensor:
-        """Rebuild an fp32 CPU tensor of ``shape``; raises ValueError on malformed data."""
-        numel = _numel(shape)
-        view = _as_bytes_view(data)
-        expected = self.encoded_nbytes(numel)
-        if len(view) != expected:
-            raise ValueError(
-                f"{self.name} data for shape {tuple(shape)} must be {expected} bytes, got {len(view)}"
-            )
-        return self._decode_flat(view, numel).reshape(tuple(int(d) for d in shape))
-
-    def bits_per_value(self, numel: int | None = None) -> float:
-        """Wire bits per value; without ``numel``, the large-tensor limit."""
-        if numel is None:
-            numel = 1 << 24
-        return 8.0 * self.encoded_nbytes(numel) / max(numel, 1)
-
-    def roundtrip(self, t: Tensor) -> Tensor:
-        """``decode(encode(t))``: what a receiver will see."""
-        return self.decode(self.encode(t), t.shape)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
+CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "4bit", "topk", "topk-sign")
+"""Every codec a sender may choose; ``topk`` and ``topk-sign`` are the sparse ones (``core.sparse``)."""
 
 class Float32Codec(Codec):
     """``none``: raw fp32, lossless."""
@@ -333,8 +268,13 @@ _CODECS: dict[str, type[Codec]] = {
 }
 
 
-def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
-    """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit."""
+def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_size: int | None = None,
+              k: int | None = None) -> Codec:
+    """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit,
+    ``chunk_size`` and ``k`` to the sparse codecs (default 64 of 4096, see ``core.sparse``)."""
+    if name in ("topk", "topk-sign"):
+        return TopKCodec(DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
+                         DEFAULT_TOPK if k is None else k, signs_only=name == "topk-sign")
     try:
         cls = _CODECS[name]
     except KeyError:
@@ -347,17 +287,25 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
 class ErrorFeedback:
     """Carries each tensor's quantization error over to its next encoding.
 
-    ``encode(key, t)`` encodes ``t + residual[key]`` and stores ``residual[key]`` = what the
-    receiver will not see. Over many rounds the sum of decoded tensors then stays within one
-    round's quantization error of the sum of the true tensors, instead of drifting with the
-    codec's bias. Keys identify a tensor (or tensor part) that recurs every round; a key whose
-    shape changes starts over with a zero residual.
+    ``encode(key, t)`` encodes ``t + decay * residual[key]`` and stores ``residual[key]`` = what
+    the receiver will not see, so per value ``decoded + new residual == t + decay * old residual``
+    (exactly where nothing was sent, to one fp32 rounding where a value was). With ``decay = 1``
+    the sum of decoded tensors over many rounds stays within one round's error of the sum of the
+    true tensors, instead of drifting with the codec's bias. Keys identify a tensor (or tensor
+    part) that recurs every round; a key whose shape changes starts over with a zero residual.
+
+    ``decay`` < 1 forgets old error geometrically: what a sparse codec leaves behind waits at most
+    a few dozen rounds (0.95: half-life 14 rounds) instead of arriving long after the direction
+    it pointed in stopped mattering. See ``OuterConfig.error_feedback_decay``.
 
     Residuals are fp32 on the CPU: one extra copy of everything encoded through this object.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, decay: float = 1.0) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"error feedback decay must be in [0, 1], got {decay!r}")
         self.codec = codec
+        self.decay = float(decay)
         self._residuals: dict[Hashable, Tensor] = {}
 
     def encode(self, key: Hashable, t: Tensor) -> bytes:
@@ -365,7 +313,7 @@ class ErrorFeedback:
         residual = self._residuals.get(key)
         if residual is not None:
             if residual.shape == corrected.shape:
-                corrected.add_(residual)
+                corrected.add_(residual, alpha=self.decay)
             else:
                 logger.warning(
                     "error feedback %r: shape changed to %s, residual dropped", key, tuple(t.shape)
@@ -379,7 +327,8 @@ class ErrorFeedback:
         return self._residuals.get(key)
 
     def reset(self, key: Hashable | None = None) -> None:
-        """Drop one residual, or all of them (e.g. after the parameters were resynchronised)."""
+        """Drop one residual, or all of them (e.g. after the parameters were resynchronised, or when the
+        part encoded under ``key`` was rejected by its receiver: its residual is not sent again)."""
         if key is None:
             self._residuals.clear()
         else:

@@ -33,9 +33,28 @@ install: ``NoCompression`` is equivalent to ``none`` and ``Float16Compression`` 
 ``int8``: it uses one per-tensor range of ±3 standard deviations and clips outliers, while
 ours scales each block by its absolute maximum.
 
-Note on lossy codecs: a reducer sends each sender ``average − sender's part``, encoded, so
-with int8/4bit every peer receives the average plus its own small, different rounding
-error; peers' parameters drift apart slowly until the next state synchronisation.
+Replies. hivemind's reducer would send each sender ``average − sender's part``; the swarm's runner
+(``swarm.runner``) instead encodes each averaged part once, with :meth:`CodecCompression.compress_average`,
+and sends the same bytes to every member, so every member decodes identical values. Replies never go
+through error feedback: the reducer of a slice changes from round to round, so there is no one to carry
+the error to.
+
+Sparse codecs (``topk``, ``topk-sign``; ``core.sparse``). In the butterfly all-reduce every reducer owns a
+slice of the flat vector; a sender's part for it is that slice's chunked top-k (its own error feedback
+keyed by tensor and part), which the reducer decodes to a dense part that is zero off the sender's entries,
+so checks, norm screen and aggregation (``swarm.reducer``, ``core.robust``) run unchanged. The aggregate is
+non-zero only on the union of the senders' entries, at most ``N·k`` per chunk, and goes back as
+``SparseAverageCodec`` (positions and int8 values; its own codec id in the header). A reducer's own part
+goes through the same encoding (and error feedback) before it joins the others (:meth:`own_part`), so
+every sender's contribution is its top-k, its own included. A part that fails to decode is rejected with
+the decoder's reason (``SparsePartError``) and the sender's data is dropped from the whole round.
+
+Known limits of error feedback on the wire: the residual is updated when a part is encoded, so a round
+that is skipped after its parts went out counts them as sent (the pseudo-gradient itself is kept as late
+work and sent again, so its share is not lost, but the old residual's share is); the late-work region is
+sent without error feedback (no second model-sized residual), so late work under a sparse codec arrives as
+its top-k only; and a sender learns that a remote reducer rejected it only by being banned, so only a
+rejection by our own reducer resets our residuals (``swarm.round_process``).
 """
 
 from __future__ import annotations
@@ -51,6 +70,7 @@ from hivemind.proto import runtime_pb2
 
 from p2p_diloco.core.bounds import norm_tolerance
 from p2p_diloco.core.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, Codec, ErrorFeedback, get_codec
+from p2p_diloco.core.sparse import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, SparseAverageCodec, TopKCodec
 
 __all__ = [
     "HEADER_NBYTES",
@@ -68,7 +88,8 @@ _HEADER = struct.Struct("<2sBBI")
 HEADER_NBYTES = _HEADER.size
 _MAGIC = b"PD"
 _VERSION = 1
-_CODEC_IDS = {name: index for index, name in enumerate(CODEC_NAMES)}
+_WIRE_NAMES = (*CODEC_NAMES, SparseAverageCodec.name)
+_CODEC_IDS = {name: index for index, name in enumerate(_WIRE_NAMES)}
 _ALLOWED_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -77,15 +98,30 @@ _ALLOWED_DTYPES = {
 }
 
 
+def _wire_param(codec: Codec) -> int:
+    """The header's 32-bit parameter: the block size, or ``log2(chunk) << 16 | k`` for the sparse codecs."""
+    if isinstance(codec, TopKCodec | SparseAverageCodec):
+        return codec.index_bits << 16 | (codec.k if isinstance(codec, TopKCodec) else 0)
+    return getattr(codec, "block_size", 0)
+
+
 @functools.lru_cache(maxsize=16)
-def _codec_for(codec_id: int, block_size: int) -> Codec:
-    """The codec a header names; raises ValueError for an unknown id or a bad block size."""
-    if codec_id >= len(CODEC_NAMES):
+def _codec_for(codec_id: int, param: int) -> Codec:
+    """The codec a header names; raises ValueError for an unknown id or a bad parameter."""
+    if codec_id >= len(_WIRE_NAMES):
         raise ValueError(f"unknown codec id {codec_id}")
-    name = CODEC_NAMES[codec_id]
-    codec = get_codec(name, block_size) if block_size else get_codec(name)
-    if getattr(codec, "block_size", 0) != block_size:
-        raise ValueError(f"block size {block_size} is invalid for codec {name!r}")
+    name = _WIRE_NAMES[codec_id]
+    if name == SparseAverageCodec.name:
+        if param & 0xFFFF or not 4 <= param >> 16 <= 15:
+            raise ValueError(f"parameter {param:#x} is invalid for codec {name!r}")
+        return SparseAverageCodec(1 << (param >> 16))
+    if name in ("topk", "topk-sign"):
+        if not 4 <= param >> 16 <= 15:
+            raise ValueError(f"parameter {param:#x} is invalid for codec {name!r}")
+        return get_codec(name, chunk_size=1 << (param >> 16), k=param & 0xFFFF)
+    codec = get_codec(name, param) if param else get_codec(name)
+    if getattr(codec, "block_size", 0) != param:
+        raise ValueError(f"block size {param} is invalid for codec {name!r}")
     return codec
 
 
@@ -93,26 +129,46 @@ class CodecCompression(CompressionBase):
     """A hivemind ``CompressionBase`` that encodes tensor parts with one of our codecs.
 
     Args:
-        codec: a codec name (``none``, ``fp16``, ``int8``, ``4bit``) or instance.
-        block_size: block size when ``codec`` is a name.
+        codec: a codec name (one of ``CODEC_NAMES``) or instance.
+        block_size: block size when ``codec`` is a name (int8, 4bit).
         error_feedback: carry each part's quantization error into the next round. Residuals
             are keyed by ``(info.key, info.part_index)``, which hivemind keeps stable across
-            rounds for a fixed set of tensors; parts without a key (the reducer's replies) are
-            encoded plainly. Use one instance per averaged buffer: two buffers sharing an
-            instance would share residuals.
+            rounds for a fixed set of tensors; parts without a key are encoded plainly, and so
+            are all-zero parts (a member with nothing to send in a region sends zeros, not its
+            residual, which the norm screen would flag). Use one instance per averaged buffer:
+            two buffers sharing an instance would share residuals. The residuals live in the
+            process that compresses (the averager's), fp32, one per part sent: together one
+            more copy of the averaged buffers, for the whole run.
+        error_feedback_decay: factor on the carried error (``OuterConfig.error_feedback_decay``).
+        chunk_size, k: the sparse codecs' chunk size and values kept per chunk, when ``codec`` is a name.
     """
 
     compression_type = runtime_pb2.CompressionType.Value(HIVEMIND_SLOT)
 
     def __init__(
-        self, codec: Codec | str, block_size: int = DEFAULT_BLOCK_SIZE, *, error_feedback: bool = False
+        self, codec: Codec | str, block_size: int = DEFAULT_BLOCK_SIZE, *, error_feedback: bool = False,
+        error_feedback_decay: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, k: int = DEFAULT_TOPK,
     ) -> None:
-        self.codec = get_codec(codec, block_size) if isinstance(codec, str) else codec
+        self.codec = (get_codec(codec, block_size, chunk_size=chunk_size, k=k) if isinstance(codec, str)
+                      else codec)
         if self.codec.name not in _CODEC_IDS:
             raise ValueError(f"codec {self.codec!r} has no wire id")
-        self._block_size = getattr(self.codec, "block_size", 0)
-        self._header = _HEADER.pack(_MAGIC, _VERSION, _CODEC_IDS[self.codec.name], self._block_size)
-        self.error_feedback = ErrorFeedback(self.codec) if error_feedback else None
+        self._header = self._header_for(self.codec)
+        self.reply = self.codec.reply_codec
+        self._reply_header = self._header_for(self.reply)
+        self.error_feedback = ErrorFeedback(self.codec, error_feedback_decay) if error_feedback else None
+        self.feedback_tensors: int | None = None
+        """Error feedback only for parts of tensors whose key (index) is below this; ``None``: all. The swarm
+        sets it to the number of fresh tensors, so the late-work region (keys from there on) is sent plainly."""
+
+    @property
+    def sparse(self) -> bool:
+        """Whether parts are sparse (top-k): a reducer's own part then goes through :meth:`own_part`."""
+        return isinstance(self.codec, TopKCodec)
+
+    @staticmethod
+    def _header_for(codec: Codec) -> bytes:
+        return _HEADER.pack(_MAGIC, _VERSION, _CODEC_IDS[codec.name], _wire_param(codec))
 
     def compress(
         self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False
@@ -122,24 +178,44 @@ class CodecCompression(CompressionBase):
         dtype_name = str(tensor.dtype).replace("torch.", "")
         if dtype_name not in _ALLOWED_DTYPES:
             raise ValueError(f"{type(self).__name__} does not support {tensor.dtype} tensors")
-        if self.error_feedback is not None and info.key is not None:
+        if self._feedback_for(info) and bool(tensor.any()):
             payload = self.error_feedback.encode((info.key, info.part_index), tensor)
         else:
             payload = self.codec.encode(tensor)
-        return runtime_pb2.Tensor(
-            compression=self.compression_type,
-            buffer=self._header + payload,
-            size=tensor.shape,
-            dtype=dtype_name,
-            requires_grad=tensor.requires_grad,
-        )
+        return self._message(self._header + payload, tensor, dtype_name)
+
+    def _feedback_for(self, info: CompressionInfo) -> bool:
+        if self.error_feedback is None or info.key is None:
+            return False
+        return self.feedback_tensors is None or (isinstance(info.key, int) and info.key < self.feedback_tensors)
+
+    def _message(self, buffer: bytes, tensor: torch.Tensor, dtype_name: str) -> runtime_pb2.Tensor:
+        return runtime_pb2.Tensor(compression=self.compression_type, buffer=buffer, size=tensor.shape,
+                                  dtype=dtype_name, requires_grad=tensor.requires_grad)
+
+    def compress_average(self, tensor: torch.Tensor, info: CompressionInfo) -> runtime_pb2.Tensor:
+        """A reducer's averaged part, encoded once for every member: the reply codec, no error feedback."""
+        dtype_name = str(tensor.dtype).replace("torch.", "")
+        if dtype_name not in _ALLOWED_DTYPES:
+            raise ValueError(f"{type(self).__name__} does not support {tensor.dtype} tensors")
+        return self._message(self._reply_header + self.reply.encode(tensor), tensor, dtype_name)
+
+    def own_part(self, tensor: torch.Tensor, info: CompressionInfo) -> torch.Tensor:
+        """What a remote reducer would decode from our part ``tensor``: a sparse codec's reducer sends its own
+        part through the same encoding (and error feedback) as every other sender's."""
+        return self.extract(self.compress(tensor, info))
+
+    def reset_residuals(self) -> None:
+        """Forget every error-feedback residual (after a state download, or when our parts were rejected)."""
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         """Decode a part from any peer; raises ValueError on anything malformed."""
         buffer = serialized_tensor.buffer
         if len(buffer) < HEADER_NBYTES:
             raise ValueError(f"compressed tensor of {len(buffer)} bytes is shorter than the header")
-        magic, version, codec_id, block_size = _HEADER.unpack_from(buffer)
+        magic, version, codec_id, param = _HEADER.unpack_from(buffer)
         if magic != _MAGIC:
             raise ValueError(
                 f"payload in the {HIVEMIND_SLOT} slot is not a p2p_diloco codec payload; "
@@ -150,14 +226,14 @@ class CodecCompression(CompressionBase):
         dtype = _ALLOWED_DTYPES.get(serialized_tensor.dtype)
         if dtype is None:
             raise ValueError(f"unsupported dtype {serialized_tensor.dtype!r} in compressed tensor")
-        codec = _codec_for(codec_id, block_size)
+        codec = _codec_for(codec_id, param)
         shape = tuple(serialized_tensor.size)
         tensor = codec.decode(memoryview(buffer)[HEADER_NBYTES:], shape).to(dtype)
         return tensor.requires_grad_(serialized_tensor.requires_grad)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         bits = torch.finfo(info.descriptor.dtype).bits if info.descriptor.dtype.is_floating_point else 32
-        return self.codec.bits_per_value() / bits
+        return self.codec.part_bits_per_value() / bits  # what hivemind sizes parts by
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.codec!r}, error_feedback={self.error_feedback is not None})"
@@ -186,13 +262,15 @@ def uninstall(previous: CompressionBase) -> None:
     _hivemind_serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] = previous
 
 
-def wire_compression(name: str, error_feedback: bool) -> CompressionBase:
+def wire_compression(name: str, error_feedback: bool, *, error_feedback_decay: float = 1.0,
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, k: int = DEFAULT_TOPK) -> CompressionBase:
     """The hivemind compression for ``--compression``: hivemind's own where it matches, ours otherwise."""
     if name == "none":
         return NoCompression()
     if name == "fp16":
         return Float16Compression()
-    compression = CodecCompression(name, error_feedback=error_feedback)
+    compression = CodecCompression(name, error_feedback=error_feedback, error_feedback_decay=error_feedback_decay,
+                                   chunk_size=chunk_size, k=k)
     install(compression)  # before the averager process forks, so its decoder table knows the codec
     return compression
 
@@ -201,7 +279,9 @@ def wire_norm_tolerance(compression: CompressionBase) -> float | None:
     """``core.bounds.norm_tolerance`` of a wire compression; ``None`` for hivemind's other codecs, whose
     worst-case norm gain is not known: senders are then not clipped and reducers' outputs not bounded."""
     if isinstance(compression, CodecCompression):
-        return norm_tolerance(compression.codec.name, compression.error_feedback is not None)
+        codec = compression.codec
+        density = codec.k / codec.chunk_size if isinstance(codec, TopKCodec) else 1.0
+        return norm_tolerance(codec.name, compression.error_feedback is not None, density=density)
     if isinstance(compression, Float16Compression):
         return norm_tolerance("fp16", False)
     if isinstance(compression, NoCompression):

@@ -41,8 +41,10 @@ class OuterState:
         params: the model's parameters (read once, to shape the anchors).
         lr, momentum: the outer optimizer (momentum 0 with lr 1 is FedAvg).
         policy: how late work is folded in (see :mod:`p2p_diloco.core.delayed`).
-        codec: pseudo-gradient codec name (none, fp16, int8, 4bit).
+        codec: pseudo-gradient codec name (one of ``core.codecs.CODEC_NAMES``).
         error_feedback: carry the codec's rounding error into the next round's pseudo-gradient.
+        error_feedback_decay: factor on the carried error (``OuterConfig.error_feedback_decay``).
+        chunk_size, k: the sparse codecs' chunk size and values kept per chunk.
         device: where anchors and momentum live; ``"cpu"`` saves GPU memory at the cost of one
             host-device copy per round.
     """
@@ -56,13 +58,17 @@ class OuterState:
         policy: StalenessPolicy | None = None,
         codec: str = "none",
         error_feedback: bool = False,
+        error_feedback_decay: float = 1.0,
+        chunk_size: int | None = None,
+        k: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         self.anchors = make_anchors(params, device)
         self.outer = OuterOptimizer(self.anchors, lr=lr, momentum=momentum)
         self.policy = policy or StalenessPolicy()
-        self.codec = get_codec(codec)
-        self.feedback = ErrorFeedback(self.codec) if error_feedback and codec != "none" else None
+        self.codec = get_codec(codec, chunk_size=chunk_size, k=k)
+        self.feedback = (ErrorFeedback(self.codec, error_feedback_decay) if error_feedback and codec != "none"
+                         else None)
         self.eager = EagerOuterStep()
         self.epoch = 0
         self._delta: list[Tensor] | None = None
@@ -95,7 +101,7 @@ class OuterState:
         decoded: list[Tensor] = []
         nbytes = 0
         for index, t in enumerate(delta):
-            data = self.feedback.encode(index, t) if self.feedback else self.codec.encode(t)
+            data = self.feedback.encode(index, t) if self.feedback is not None else self.codec.encode(t)
             nbytes += len(data)
             decoded.append(self.codec.decode(data, t.shape).to(t.device))
         return decoded, nbytes

@@ -19,6 +19,24 @@ How to choose:
   closer than ``tau`` to the centre count fully, so on clean data the result is the mean; a far-away
   attacker moves it by at most ``tau / n`` per iteration. ``tau`` defaults to the median distance of the
   vectors from the median, which adapts to the spread of honest pseudo-gradients without tuning.
+
+Sparse parts (``core.sparse``: each sender sends the top-k of every chunk of its part). The reducer decodes a
+sparse part to the dense vector it stands for, zero wherever the sender sent nothing, and every rule above
+runs on those vectors unchanged: a value a sender did not send counts as that sender saying 0 (what it
+contributes this round; the rest waits in its error-feedback residual). So:
+
+- ``mean``: the weighted mean of the senders' sparse vectors, non-zero on the union of their entries.
+- ``trimmed-mean``: per coordinate, the unsent zeros take part in the sort. A coordinate sent by at most
+  ``trim`` senders on one side of zero is trimmed away entirely (one sender cannot place a value alone),
+  a coordinate that most senders chose keeps the mean of its middle values. It is the rule's guarantee
+  applied to sparse input, bought with the loss of the values only few senders chose (they return through
+  those senders' residuals only if sent again, which error feedback does not do: it counts them as sent).
+- ``centered-clip``: starts at the coordinate-wise median (zero on coordinates fewer than half the senders
+  chose) and moves toward each sender by at most ``tau``; with honest, similar senders it returns the mean.
+- The norm screen compares the senders' sparse vectors, all of which keep about ``k`` of every chunk.
+
+All three return a vector that is zero outside the union of the senders' entries (trimming and clipping
+only average or shrink what senders sent), so the reducer's reply fits ``core.sparse.SparseAverageCodec``.
 """
 
 from __future__ import annotations

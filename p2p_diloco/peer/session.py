@@ -88,7 +88,10 @@ class SwarmSession:
         # Anchors on the CPU: the averager shares them with its process and the outer step is cheap.
         self.state = OuterState(params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, policy=policy, device="cpu")
         self.swarm = Swarm(cfg.swarm, fingerprint, self.state.anchors,
-                           wire_compression(cfg.outer.compression, cfg.outer.error_feedback), faults.swarm_hook())
+                           wire_compression(cfg.outer.compression, cfg.outer.error_feedback,
+                                            error_feedback_decay=cfg.outer.error_feedback_decay,
+                                            chunk_size=cfg.outer.topk_chunk_size, k=cfg.outer.topk_k),
+                           faults.swarm_hook())
         if cfg.run.checkpoint_dir:  # a state download cut by a restart resumes from its verified chunks
             self.swarm.partial_dir = Path(cfg.run.checkpoint_dir).expanduser() / "state-partial"
         eager = cfg.outer.overlap == "eager"

@@ -197,6 +197,9 @@ def build_workers(cfg: TrainConfig, sim: SimConfig, *, lr: float, momentum: floa
             policy=policy,
             codec=cfg.outer.compression,
             error_feedback=cfg.outer.error_feedback,
+            error_feedback_decay=cfg.outer.error_feedback_decay,
+            chunk_size=cfg.outer.topk_chunk_size,
+            k=cfg.outer.topk_k,
         )
         workers.append(Worker(i, local, state, sim.speeds[i]))
     if sim.batched and sim.mode in ALLREDUCE_MODES and len(workers) > 1:
@@ -217,23 +220,28 @@ def train_round(workers: Sequence[Worker], steps: int) -> list[InnerStats]:
     return [w.local.trainer.train_steps(steps) for w in workers]
 
 
-def allreduce_seconds(nbytes: int, workers: int, bandwidth_mbps: float) -> float:
-    """The bandwidth-optimal all-reduce time bound for ``nbytes`` per peer."""
+def allreduce_seconds(nbytes: int, workers: int, bandwidth_mbps: float, reply_nbytes: int | None = None) -> float:
+    """The bandwidth-optimal all-reduce time bound for ``nbytes`` per peer (see :func:`allreduce_bytes`)."""
     if bandwidth_mbps <= 0 or workers < 2:
         return 0.0
-    return 2 * (workers - 1) / workers * nbytes * 8 / (bandwidth_mbps * 1e6)
+    return allreduce_bytes(nbytes, workers, reply_nbytes) * 8 / (bandwidth_mbps * 1e6)
 
 
-def allreduce_bytes(nbytes: int, workers: int) -> int:
-    """Bytes each peer sends in a bandwidth-optimal all-reduce of ``nbytes`` (reduce-scatter + gather)."""
+def allreduce_bytes(nbytes: int, workers: int, reply_nbytes: int | None = None) -> int:
+    """Bytes each peer sends in a bandwidth-optimal all-reduce of ``nbytes`` (reduce-scatter + gather).
+
+    ``reply_nbytes``: the size of the whole reduced vector as the reducers send it back, when it differs from
+    ``nbytes`` (the sparse codecs: the union of the senders' entries). A peer sends ``(n-1)/n`` of its own
+    vector and its ``1/n`` of the reply to ``n-1`` members; by symmetry it receives as much."""
     if workers < 2:
         return 0
-    return int(round(2 * (workers - 1) / workers * nbytes))
+    reply = nbytes if reply_nbytes is None else reply_nbytes
+    return int(round((workers - 1) / workers * (nbytes + reply)))
 
 
 def group_reduction(sim: SimConfig, state: OuterState) -> GroupReduction:
     """The all-reduce of ``sim.workers`` workers, cut into parts as the swarm cuts them for ``state``'s codec."""
-    values = part_size_values(sim.part_size_bytes, state.codec.bits_per_value())
+    values = part_size_values(sim.part_size_bytes, state.codec.part_bits_per_value())
     return GroupReduction(
         sim.workers, method=sim.aggregation, norm_factor=sim.norm_outlier_factor, values_per_part=values
     )

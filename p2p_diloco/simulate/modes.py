@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from p2p_diloco.config import TrainConfig
+from p2p_diloco.core.codecs import Codec
 from p2p_diloco.core.delayed import DelayedNesterov, NaiveAsyncNesterov, RoundAggregate, summarize_round
 from p2p_diloco.core.dylu import DyLU
 from p2p_diloco.core.robust import GroupReduction
@@ -81,10 +82,16 @@ def _allreduce(
     weights: Sequence[float],
     result: SimResult,
     rnd: int,
+    workers: Sequence[Worker] | None = None,
 ) -> list[torch.Tensor]:
-    """The group's reduced pseudo-gradient, as the swarm's reducers compute it; bans go to the result."""
+    """The group's reduced pseudo-gradient, as the swarm's reducers compute it; bans go to the result, and a
+    banned sender among ``workers`` forgets its error-feedback residual."""
     mean = reduction.reduce(sent, weights)
     record_bans(result, reduction, rnd)
+    if workers is not None:
+        for _, sender, _ in reduction.new_bans:  # a rejected part's residual is not sent again
+            if workers[sender].state.feedback is not None:
+                workers[sender].state.feedback.reset()
     if reduction.faults:
         logger.warning(
             "Round %d: parts reduced to zeros (the swarm would skip the round): %s",
@@ -111,6 +118,13 @@ def _record(
         progress(rec)
 
 
+def _reply(codec: Codec, mean: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """What every member decodes from the reducers' replies, and their bytes (the whole vector's)."""
+    reply = codec.reply_codec
+    data = [reply.encode(t) for t in mean]
+    return [reply.decode(d, t.shape) for d, t in zip(data, mean, strict=True)], sum(len(d) for d in data)
+
+
 def run_sync(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None) -> SimResult:
     """diloco and fedavg: every worker runs H steps from the shared anchors, then one outer step."""
     lr, momentum = (1.0, 0.0) if sim.mode == "fedavg" else (cfg.outer.lr, cfg.outer.momentum)
@@ -127,17 +141,18 @@ def run_sync(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None)
             sent_all.append(sent_by(sim, w, decoded))
             weights.append(float(stats.samples))
             steps += H
-        mean = _allreduce(reduction, sent_all, weights, result, rnd)
+        mean = _allreduce(reduction, sent_all, weights, result, rnd, workers)
         stats = summarize_round(
             weights, [0] * sim.workers, workers[0].state.policy, [str(i) for i in range(sim.workers)]
         )
-        # The reduced result travels back through the same codec.
-        aggregate = RoundAggregate([workers[0].state.codec.roundtrip(t) for t in mean], None, stats)
+        # The reduced result travels back through the codec's reply encoding.
+        replied, reply_nbytes = _reply(workers[0].state.codec, mean)
+        aggregate = RoundAggregate(replied, None, stats)
         for w in workers:
             w.state.apply(aggregate, w.params)
         phase = max(H * sim.step_time_s / w.speed for w in workers)
-        clock += phase + allreduce_seconds(nbytes, sim.workers, sim.bandwidth_mbps)
-        sent += allreduce_bytes(nbytes, sim.workers)
+        clock += phase + allreduce_seconds(nbytes, sim.workers, sim.bandwidth_mbps, reply_nbytes)
+        sent += allreduce_bytes(nbytes, sim.workers, reply_nbytes)
         _record(result, rnd, _eval(judge), clock, sent, steps, progress)
     return result
 
@@ -165,12 +180,12 @@ def run_eager(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None
             share = prev_shares[w.index] if prev_avg is not None else None
             w.state.apply_eager(own, prev_avg, sim.workers, w.params, own_share=share)
         # Launched now, used next round: the all-reduce hides behind the next inner phase.
-        mean = _allreduce(reduction, decoded_all, weights, result, rnd)
-        prev_avg = [workers[0].state.codec.roundtrip(t) for t in mean]
+        mean = _allreduce(reduction, decoded_all, weights, result, rnd, workers)
+        prev_avg, reply_nbytes = _reply(workers[0].state.codec, mean)
         prev_shares = [x / sum(weights) for x in weights]
         phase = max(H * sim.step_time_s / w.speed for w in workers)
-        clock += max(phase, allreduce_seconds(nbytes, sim.workers, sim.bandwidth_mbps))
-        sent += allreduce_bytes(nbytes, sim.workers)
+        clock += max(phase, allreduce_seconds(nbytes, sim.workers, sim.bandwidth_mbps, reply_nbytes))
+        sent += allreduce_bytes(nbytes, sim.workers, reply_nbytes)
         _record(result, rnd, _eval(judge), clock, sent, steps, progress)
     return result
 

@@ -125,7 +125,9 @@ class SimWorker:
         self.params = self.local.trainer.parameters()
         self.state = OuterState(self.params, lr=cfg.outer.lr, momentum=cfg.outer.momentum,
                                 policy=policy.staleness, codec=cfg.outer.compression,
-                                error_feedback=cfg.outer.error_feedback, device="cpu")
+                                error_feedback=cfg.outer.error_feedback,
+                                error_feedback_decay=cfg.outer.error_feedback_decay,
+                                chunk_size=cfg.outer.topk_chunk_size, k=cfg.outer.topk_k, device="cpu")
         self.port = SimPort(world, self)
         self.driver = RoundDriver(self.state, self.params, policy, self.port, data_id)
         self.outcomes: list[str | None] = []
@@ -203,10 +205,11 @@ class SimPort:
         stale_sent = None if stale is None else [codec.roundtrip(t) for t in stale]
         result = group.average(self.worker.index, self.worker.peer_id, sent, weight, staleness, epoch, stale_sent,
                                stale_weight)
+        reply = codec.reply_codec
         if result.fresh_mean is not None:
-            result.fresh_mean = [codec.roundtrip(t) for t in result.fresh_mean]
+            result.fresh_mean = [reply.roundtrip(t) for t in result.fresh_mean]
         if result.stale_term is not None:
-            result.stale_term = [codec.roundtrip(t) for t in result.stale_term]
+            result.stale_term = [reply.roundtrip(t) for t in result.stale_term]
         return result
 
     def resync(self, min_epoch: int) -> bool:

@@ -32,7 +32,7 @@ from hivemind.utils import MPFuture, get_dht_time
 
 from p2p_diloco.core.bounds import l2_norm
 from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
-from p2p_diloco.core.hivemind_codecs import wire_norm_tolerance
+from p2p_diloco.core.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin
@@ -107,6 +107,10 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
         self._fault_hook: FaultHook = fault_hook or no_faults
         self._tolerance = wire_norm_tolerance(compression if compression is not None else NoCompression())
+        if isinstance(compression, CodecCompression):
+            # error feedback for the fresh region only: late work is sent once, and a residual for the late
+            # region would be a second model-sized buffer kept for the run (docs/architecture.md, "Memory")
+            compression.feedback_tensors = self.num_tensors
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
         self._join_timing = JoinTiming(cfg.request_timeout_s)

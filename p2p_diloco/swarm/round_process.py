@@ -233,6 +233,9 @@ class RoundProcessMixin:
             )
             faults = await run_allreduce(runner, tensors)
             rejected.update(runner.rejected())
+            reset = getattr(kwargs["compression"], "reset_residuals", None)
+            if reset is not None and self.peer_id.to_base58() in rejected:
+                reset()  # our own reducer rejected our part: its error-feedback residual is not sent again
             result.rejected = tuple(self._ban(rejected))
             if self._fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")

@@ -66,6 +66,20 @@ def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compressio
     return None
 
 
+def decode_part(part: runtime_pb2.Tensor, shape: Sequence[int],
+                compression_type: int | None) -> tuple[torch.Tensor, str | None]:
+    """A sender's serialized part, decoded, or an empty tensor and why it was refused: on its protobuf fields
+    (:func:`wire_part_problem`) or by its decoder (our codecs raise ``ValueError`` naming the fault, e.g. a
+    sparse part's repeated index: ``core.sparse.SparsePartError``). Nothing of a refused part is used."""
+    problem = wire_part_problem(part, shape, compression_type)
+    if problem is not None:
+        return torch.empty(0), f"refused on the wire: {problem}"
+    try:
+        return deserialize_torch_tensor(part), None
+    except ValueError as e:
+        return torch.empty(0), f"rejected by its decoder: {e}"
+
+
 FaultHook = Callable[[str], "bool | float | None"]
 """Called inside the averager process at named stages: "allreduce_begin", "corrupt_input" (returning a number
 multiplies this member's pre-scaled input by it, NaN fills it with NaN: a Byzantine sender), "announce" (on
@@ -283,7 +297,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             if isinstance(factor, float):
                 averaged_part = averaged_part * factor
             future = asyncio.get_running_loop().run_in_executor(
-                None, lambda: compression.compress(averaged_part, info, allow_inplace=False)
+                None, lambda: compress_average(compression, averaged_part, info)
             )
             self._averaged_parts[part_index] = future
         return future
@@ -298,7 +312,12 @@ class CountingAllReduceRunner(AllReduceRunner):
                 raise
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
+        compression = self.tensor_part_container.compression
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            if getattr(compression, "sparse", False):  # our own part is sent as top-k too (hivemind_codecs)
+                info = self._my_part_infos[part_index]
+                tensor_part = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda part=tensor_part, info=info: compression.own_part(part, info))
             averaged_part = await accumulate(
                 self.tensor_part_reducer, sender_index, part_index, tensor_part, self.weight
             )
@@ -316,7 +335,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             return serialized
         info, compression = self._my_part_infos[part_index], self.tensor_part_container.compression
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: compression.compress(averaged_part * factor, info, allow_inplace=False))
+            None, lambda: compress_average(compression, averaged_part * factor, info))
 
     def digests(self) -> list[bytes]:
         """Per member of the group, the sha256 of the averaged parts this peer got from it as a reducer (ours:
@@ -338,7 +357,7 @@ class CountingAllReduceRunner(AllReduceRunner):
                 if problem is not None:
                     # Not decoded. Still counted, as every rejected part is (the reducer's contract), so the
                     # group's other senders are not held up; the averager bans the sender for the run.
-                    logger.warning("Refused part %d of %s before decoding: %s", part_index,
+                    logger.warning("Refused part %d of %s: %s", part_index,
                                    self.sender_peer_ids[sender_index], problem)
                     rejections = getattr(self.tensor_part_reducer, "rejections", None)
                     if rejections is None:
@@ -370,10 +389,8 @@ class CountingAllReduceRunner(AllReduceRunner):
         parts = self.parts_for_local_averaging
         if index >= len(parts):
             return torch.empty(0), 0.0, f"part {index} past the {len(parts)} this peer reduces"
-        problem = wire_part_problem(message.tensor_part, tuple(parts[index].shape), self._compression_type)
-        if problem is not None:
-            return torch.empty(0), float(message.weight), problem
-        return deserialize_torch_tensor(message.tensor_part), float(message.weight), None
+        part, problem = decode_part(message.tensor_part, tuple(parts[index].shape), self._compression_type)
+        return part, float(message.weight), None if problem is None else f"part {index} {problem}"
 
     def _replies_from(self, reducer_index: int) -> _Replies:
         replies = self._replies.get(reducer_index)
@@ -467,6 +484,15 @@ class CountingAllReduceRunner(AllReduceRunner):
         reducer = self.tensor_part_reducer
         found = reducer.rejected() if isinstance(reducer, RobustPartReducer) else {}
         return found | (self._check.failed if self._check is not None else {})
+
+
+def compress_average(compression: Any, averaged_part: torch.Tensor, info: Any) -> runtime_pb2.Tensor:
+    """The one serialization of a reducer's averaged part: our codecs' reply encoding (``compress_average``,
+    the sparse codecs' union reply, never error feedback), else the compression itself (hivemind's)."""
+    reply = getattr(compression, "compress_average", None)
+    if reply is not None:
+        return reply(averaged_part, info)
+    return compression.compress(averaged_part, info, allow_inplace=False)
 
 
 class RunnerFactory(Protocol):

@@ -1,4 +1,4 @@
-"""Each wire codec (--compression none|fp16|int8|4bit, and 4bit with error feedback) through a real 2-peer
+"""Each wire codec (--compression none|fp16|int8|4bit, 4bit and topk with error feedback) through a real 2-peer
 all-reduce: hivemind's butterfly all-reduce between two processes on loopback, with the codec plugged in
 exactly as run_peer plugs it (``session.wire_compression``).
 
@@ -20,7 +20,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT = "0123456789abcdef"
 SHAPES = [(256, 256), (4096,)]
-RUNS = [("none", False), ("fp16", False), ("int8", False), ("4bit", False), ("4bit", True)]
+RUNS = [("none", False), ("fp16", False), ("int8", False), ("4bit", False), ("4bit", True), ("topk", True)]
 # Worst-case decode error relative to the largest input magnitude (core/codecs.py): fp16 keeps ~11
 # significant bits, int8 rounds to absmax/254, 4-bit (E3M0) to a third of the value. The reducer re-encodes
 # its reply, so a peer sees up to two such errors.
@@ -102,6 +102,9 @@ def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Pat
             for r in run["rounds"]:
                 assert r["outcome"] == "averaged" and r["group_size"] == 2, (name, r["reason"], logs[p])
             got = [torch.cat([torch.tensor(v) for v in r["mean"]]) for r in run["rounds"]]
+            if name == "topk":
+                _check_sparse(inputs, got, results, run, p)
+                continue
             error = float((got[0] - exact).abs().max())
             assert error <= REL_ERROR[name] * scale + 1e-6, (name, feedback, error)
             mean_error = float((got[0] - exact).abs().mean() / exact.abs().mean())
@@ -126,6 +129,37 @@ def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Pat
         assert 0.45 <= sent[f"fp16/{p}"] / none_bytes <= 0.55
         assert 0.2 <= sent[f"int8/{p}"] / none_bytes <= 0.3
         assert 0.1 <= sent[f"4bit/{p}"] / none_bytes <= 0.16
+
+
+def _check_sparse(inputs: list[torch.Tensor], got: list[torch.Tensor], results: list, run: dict, p: int) -> None:
+    """topk with error feedback: each member's top 64 of every 4096 of its pre-scaled input (half of it,
+    at weight 1 each), averaged over the union and sent back in int8; the same values at both members."""
+    from p2p_diloco.core.codecs import ErrorFeedback
+    from p2p_diloco.core.sparse import TopKCodec
+
+    other = next(r for r in results[1 - p] if r["codec"] == "topk")
+    for mine, theirs in zip(run["rounds"], other["rounds"], strict=True):
+        assert mine["mean"] == theirs["mean"]  # bitwise identical at both members
+    codec = TopKCodec()
+    feedback = [ErrorFeedback(codec) for _ in inputs]
+    for rnd, received in enumerate(got):
+        expected = torch.zeros_like(received)
+        offset = 0
+        for shape in SHAPES:  # one part per tensor here, so chunks start at each tensor's start
+            n = int(torch.Size(shape).numel())
+            for k, x in enumerate(inputs):
+                expected[offset:offset + n] += codec.decode(feedback[k].encode(shape, x[offset:offset + n] / 2),
+                                                            (n,))
+            offset += n
+        # the union of both senders' entries (a value below half an int8 step of its chunk comes back as 0)
+        assert not bool(((received != 0) & (expected == 0)).any()), rnd
+        assert int((received != 0).sum()) > 0.9 * int((expected != 0).sum()), rnd
+        assert float((received - expected).abs().max()) <= float(expected.abs().max()) / 254 * 1.01, rnd
+    # bytes: the part a member sends at 1/140 of fp32, plus the union of the part it reduces, sent back with
+    # 12-bit offsets and int8 values (about 1/50 of fp32 for two senders); fp32 sends 1/1 both ways
+    none_bytes = next(r for r in results[p] if r["codec"] == "none")["rounds"][0]["bytes_sent"]
+    ratio = run["rounds"][0]["bytes_sent"] / none_bytes
+    assert 1 / 200 < ratio < 1 / 25, ratio
 
 
 if __name__ == "__main__":

@@ -188,3 +188,59 @@ def test_real_allreduce_between_two_averagers(restore_hivemind_table: None) -> N
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+# --- the sparse codecs on the wire ---------------------------------------------------------------------------
+
+
+def test_sparse_parts_carry_chunk_and_k_in_the_header_and_replies_their_own_codec() -> None:
+    from p2p_diloco.core.sparse import SparseAverageCodec, TopKCodec
+
+    compression = CodecCompression("topk", chunk_size=1024, k=16, error_feedback=True, error_feedback_decay=0.9)
+    assert compression.sparse and compression.error_feedback.decay == 0.9
+    x = _randn(5000, seed=4)
+    info = CompressionInfo.from_tensor(x, key=3)
+    message = compression.compress(x, info)
+    # any installed instance decodes it: chunk size and k travel in the header
+    decoded = CodecCompression("4bit").extract(message)
+    assert torch.equal(decoded, TopKCodec(1024, 16).roundtrip(x))
+    assert len(message.buffer) == HEADER_NBYTES + 5 * 5 + -(-80 * 10 // 8) + -(-80 * 2 // 8)
+    assert compression.error_feedback.residual((3, 0)) is not None  # keyed by tensor and part
+    # the reducer's reply: the union codec, no error feedback
+    aggregate = (decoded + TopKCodec(1024, 16).roundtrip(_randn(5000, seed=5))) / 2
+    reply = compression.compress_average(aggregate, info)
+    assert torch.equal(compression.extract(reply), SparseAverageCodec(1024).roundtrip(aggregate))
+    assert len(compression.error_feedback) == 1
+    # a reducer's own part: what a remote reducer would decode, through the same error feedback
+    own = compression.own_part(x, CompressionInfo.from_tensor(x, key=7))
+    assert int((own != 0).sum()) == 80 and len(compression.error_feedback) == 2
+    compression.reset_residuals()
+    assert len(compression.error_feedback) == 0
+
+
+def test_zero_parts_are_sent_without_the_residual() -> None:
+    compression = CodecCompression("topk", chunk_size=64, k=4, error_feedback=True)
+    info = CompressionInfo.from_tensor(torch.zeros(256), key=0)
+    compression.compress(_randn(256), info)
+    zeros = compression.compress(torch.zeros(256), info)
+    assert not bool(compression.extract(zeros).any())  # a member without work in a region sends zeros
+
+
+def test_hostile_sparse_parts_fail_to_extract_with_their_reason() -> None:
+    compression = CodecCompression("topk", chunk_size=64, k=4)
+    x = _randn(64)
+    message = compression.compress(x, CompressionInfo.from_tensor(x))
+    message.buffer = message.buffer + b"\0"
+    with pytest.raises(ValueError, match="declared size disagrees"):
+        compression.extract(message)
+    bad = bytearray(compression.compress(x, CompressionInfo.from_tensor(x)).buffer)
+    bad[HEADER_NBYTES] = 9  # count of the only chunk: 9 > k
+    message.buffer = bytes(bad)
+    with pytest.raises(ValueError, match="more than k entries"):
+        compression.extract(message)
+    bad = bytearray(message.buffer)
+    bad[5] = 40  # header: k = 40 of a chunk of 2**0: not a valid sparse parameter
+    bad[6] = 0
+    message.buffer = bytes(bad)
+    with pytest.raises(ValueError, match="invalid"):
+        compression.extract(message)

@@ -60,6 +60,40 @@ def test_compression_cuts_bytes() -> None:
     assert 0.12 < four / full < 0.14
 
 
+def test_sparse_codec_runs_through_the_same_core_and_counts_both_directions() -> None:
+    cfg = _cfg("topk")
+    cfg.outer.error_feedback, cfg.outer.error_feedback_decay = True, 0.95
+    sparse = run(cfg, SimConfig("diloco", workers=2, rounds=2))
+    full = run(_cfg("none"), SimConfig("diloco", workers=2, rounds=2))
+    assert math.isfinite(sparse.final_eval_loss) and sparse.final_eval_loss < sparse.initial_eval_loss
+    # both directions: each member's top-k parts (1/140 of fp32) and the union replies (2 senders' entries,
+    # 12-bit offsets and int8 values: about 1/50); fp32 is 1/1 both ways
+    ratio = sparse.total_bytes_sent_per_worker / full.total_bytes_sent_per_worker
+    assert 1 / 200 < ratio < 1 / 25, ratio
+
+
+def test_a_banned_sender_forgets_its_residual() -> None:
+    from p2p_diloco.simulate.engine import build_workers, group_reduction
+    from p2p_diloco.simulate.modes import _allreduce
+
+    cfg = _cfg("topk")
+    cfg.outer.error_feedback = True
+    sim = SimConfig("diloco", workers=3, rounds=1)
+    workers = build_workers(cfg, sim, lr=1.0, momentum=0.0)
+    reduction = group_reduction(sim, workers[0].state)
+    sent = []
+    for w in workers:
+        for p in w.params:
+            p.data.add_(0.01 * (1000.0 if w.index == 2 else 1.0))  # worker 2 moved 1000x as far: an outlier
+        decoded, _ = w.state.encode(w.state.pseudo_gradient(w.params))
+        sent.append(decoded)
+    assert all(len(w.state.feedback) > 0 for w in workers)
+    result = run(_cfg(), SimConfig("diloco", workers=2, rounds=1))  # a result object to record bans in
+    _allreduce(reduction, sent, [1.0, 1.0, 1.0], result, 1, workers)
+    assert {sender for _, sender, _ in reduction.new_bans} == {2}
+    assert len(workers[2].state.feedback) == 0 and len(workers[0].state.feedback) > 0
+
+
 def test_cli_writes_json(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = subprocess.run(

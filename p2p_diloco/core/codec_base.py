@@ -1,0 +1,96 @@
+"""The codec interface (:class:`Codec`) and the helpers every codec shares; the codecs themselves live in
+:mod:`p2p_diloco.core.codecs` (dense) and :mod:`p2p_diloco.core.sparse`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["Buffer", "Codec"]
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _as_bytes_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    return view
+
+
+def _numel(shape: Sequence[int]) -> int:
+    numel = 1
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 0:
+            raise ValueError(f"invalid shape {tuple(shape)}: dimensions must be integers >= 0")
+        numel *= int(dim)
+    return numel
+
+
+def _flat_fp32(t: Tensor) -> Tensor:
+    if not torch.is_floating_point(t):
+        raise ValueError(f"codecs encode floating-point tensors, got {t.dtype}")
+    flat = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("refusing to encode a tensor with NaN or infinite values")
+    return flat
+
+
+class Codec(ABC):
+    """Turns an fp32 tensor into bytes and back. Stateless and thread-safe."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def encoded_nbytes(self, numel: int) -> int:
+        """The exact length of ``encode`` output for a tensor of ``numel`` values."""
+
+    @abstractmethod
+    def encode(self, t: Tensor) -> bytes:
+        """Encode any floating tensor (any device); raises ValueError on NaN or infinity."""
+
+    @abstractmethod
+    def _decode_flat(self, view: memoryview, numel: int) -> Tensor:
+        """Decode exactly ``encoded_nbytes(numel)`` validated-length bytes to a flat fp32 tensor."""
+
+    def decode(self, data: Buffer, shape: Sequence[int]) -> Tensor:
+        """Rebuild an fp32 CPU tensor of ``shape``; raises ValueError on malformed data."""
+        numel = _numel(shape)
+        view = _as_bytes_view(data)
+        expected = self.encoded_nbytes(numel)
+        if len(view) != expected:
+            raise ValueError(
+                f"{self.name} data for shape {tuple(shape)} must be {expected} bytes, got {len(view)}"
+            )
+        return self._decode_flat(view, numel).reshape(tuple(int(d) for d in shape))
+
+    def bits_per_value(self, numel: int | None = None) -> float:
+        """Wire bits per value; without ``numel``, the large-tensor limit."""
+        if numel is None:
+            numel = 1 << 24
+        return 8.0 * self.encoded_nbytes(numel) / max(numel, 1)
+
+    def part_bits_per_value(self) -> float:
+        """The bits per value the all-reduce sizes its parts by (``core.robust.part_size_values``): the
+        wire's, except for the sparse codecs (see ``core.sparse.TopKCodec.part_bits_per_value``)."""
+        return self.bits_per_value()
+
+    def roundtrip(self, t: Tensor) -> Tensor:
+        """``decode(encode(t))``: what a receiver will see."""
+        return self.decode(self.encode(t), t.shape)
+
+    @property
+    def reply_codec(self) -> Codec:
+        """The codec a reducer sends its aggregate back with: the same one, except for the sparse codecs,
+        whose aggregate (the union of the senders' entries) goes back as ``core.sparse.SparseAverageCodec``."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+

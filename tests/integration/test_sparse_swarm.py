@@ -1,0 +1,90 @@
+"""The sparse codec (--compression topk with error feedback) in a real 3-peer swarm: run_peer processes on
+loopback, hivemind's butterfly all-reduce carrying top-k parts and the reducers' union replies."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from swarm_procs import SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
+
+pytestmark = pytest.mark.slow
+
+SPARSE = ("--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95",
+          "--topk-chunk-size", "1024", "--topk-k", "16", "--outer-lr", "1", "--outer-momentum", "0")
+
+
+def _tiny_numel() -> int:
+    from p2p_diloco.build import build_model_and_tokenizer
+    from p2p_diloco.config import ModelConfig, TrainConfig
+
+    _, model = build_model_and_tokenizer(TrainConfig(model=ModelConfig(model="tiny", seq_len=64)))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.timeout(600)
+def test_three_peers_with_the_sparse_codec_keep_identical_parameters(tmp_path: Path) -> None:
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = {}
+    try:
+        procs = {name: start_peer(tmp_path, name, maddr, "--run-id", "sparse", "--max-rounds", "6", *SPARSE)
+                 for name in "abc"}
+        codes = wait_all(procs, 480)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        boot.terminate()
+    assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in procs}
+
+    rounds = {n: events(tmp_path, n, "round") for n in procs}
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    full: dict[int, set[str]] = defaultdict(set)  # epochs reached by a round of all three
+    for name, rows in rounds.items():
+        for r in rows:
+            if r["outcome"] in SYNCED:
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+            if r["outcome"] == "averaged" and r["group_size"] == 3:
+                full[r["new_epoch"]].add(name)
+    assert all(len(shas) == 1 for shas in by_epoch.values()), by_epoch
+    assert sum(members == set("abc") for members in full.values()) >= 3, (full, rounds)
+
+    # The wire carries top-k parts and union replies: far below 4bit's 1/8 of fp32 (tiny: 0.84M parameters)
+    numel = _tiny_numel()
+    for name, rows in rounds.items():
+        for r in rows:
+            if r["outcome"] == "averaged" and r["group_size"] == 3:
+                # fp32 would send 2 * (2/3) * 4 bytes per parameter; 4bit about 1/8 of that
+                assert r["bytes_sent"] < 2 * 2 / 3 * 4 * numel / 16, (name, r["bytes_sent"], numel)
+
+
+@pytest.mark.timeout(600)
+def test_late_work_folds_with_the_sparse_codec(tmp_path: Path) -> None:
+    # c is slowed during epoch 1, misses that round and folds its work into a later one (as in
+    # test_peer_swarm.py, whose notes on --max-staleness apply here too)
+    boot, maddr = start_bootstrap(tmp_path)
+    procs = {}
+    args = ("--run-id", "sparse-late", "--max-rounds", "40", "--max-staleness", "100", *SPARSE)
+    try:
+        procs = {"a": start_peer(tmp_path, "a", maddr, *args), "b": start_peer(tmp_path, "b", maddr, *args),
+                 "c": start_peer(tmp_path, "c", maddr, *args, faults="slow_steps@1=0.8")}
+        wait_for(lambda: any(r["outcome"] == "folded_late" for r in events(tmp_path, "c", "round")), 400,
+                 "c's late work folded")
+        for proc in procs.values():
+            proc.terminate()
+        codes = wait_all(procs, 120)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        boot.terminate()
+    assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in procs}
+    by_epoch: dict[int, set[str]] = defaultdict(set)
+    for name in procs:
+        for r in events(tmp_path, name, "round"):
+            if r["outcome"] in SYNCED:
+                by_epoch[r["new_epoch"]].add(r["params_sha256"])
+    assert by_epoch and all(len(shas) == 1 for shas in by_epoch.values()), by_epoch
+    folded = [r for r in events(tmp_path, "c", "round") if r["outcome"] == "folded_late"]
+    assert folded and folded[0]["params_sha256"] in by_epoch[folded[0]["new_epoch"]]
