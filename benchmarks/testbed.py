@@ -8,12 +8,13 @@ interfaces are never touched)::
                                ── ...
 
 Hosts named in ``homes`` sit behind a home router instead: a namespace ``PREFIXr<i>`` that holds the public
-address 10.77.0.<i+1> on its ``wan0`` and the home's LAN 192.168.<i>.0/24 on ``lan0``, the host at
-192.168.<i>.2. The router masquerades the LAN (iptables NAT) and drops every new inbound connection, as a
+address on its ``wan0`` and the home's LAN 192.168.1.0/24 on ``lan0`` (every home the same, as most routers
+ship), the host at 192.168.1.2. With homes, the internet is 11.77.0.0/24 instead of 10.77.0.0/24 (see
+PUBLIC_SUBNET). The router masquerades the LAN (iptables NAT) and drops every new inbound connection, as a
 home router does; :meth:`Testbed.forward_port` adds a DNAT rule, as a volunteer forwarding a port does::
 
-    netns PREFIXbr: br0 ── veth h2 ── netns PREFIXr2: wan0 10.77.0.3 │ NAT │ lan0 192.168.2.1 ── netns PREFIXh2:
-                                                                                             eth0 192.168.2.2
+    netns PREFIXbr: br0 ── veth h2 ── netns PREFIXr2: wan0 11.77.0.3 │ NAT │ lan0 192.168.1.1 ── netns PREFIXh2:
+                                                                                             eth0 192.168.1.2
 
 Each host's link is limited in both directions with ``tc tbf`` (upload on its eth0, or its router's wan0,
 download on its bridge port), like a home connection with a symmetric plan. Latency is added with ``netem`` where the kernel has it;
@@ -48,7 +49,12 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SUBNET = "10.77.0"
-MADDR = re.compile(r"/ip4/10\.77\.0\.\d+/tcp/\d+/p2p/\w+")
+# The internet of a testbed with home routers. libp2p treats 10.0.0.0/8 (and the documentation ranges) as
+# private: a relay at such an address is never announced (a relayed address must go through a public one)
+# and AutoNAT never finds a host public. So the public side holds addresses that libp2p counts as public;
+# 11.0.0.0/8 is not routed on the real internet, and no packet to it ever leaves our namespaces anyway.
+PUBLIC_SUBNET = "11.77.0"
+MADDR = re.compile(r"/ip4/(?:10\.77|11\.77)\.0\.\d+/tcp/\d+/p2p/\w+")
 
 
 class TestbedError(RuntimeError):
@@ -120,7 +126,7 @@ class Testbed:
 
     def ip(self, index: int) -> str:
         """Host ``index``'s public address: its own, or its home router's."""
-        return f"{SUBNET}.{index + 1}"
+        return f"{PUBLIC_SUBNET if self.homes else SUBNET}.{index + 1}"
 
     def host_ip(self, index: int) -> str:
         """The address host ``index`` binds to: its public one, or its LAN address behind its router."""
@@ -322,7 +328,7 @@ def start_swarm(bed: Testbed, out: Path, peers: int, peer_args: Sequence[str],
     for i in range(1, peers + 1):
         name = f"peer{i}"
         procs[name] = bed.popen(
-            i, [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs", os.environ.get("W31_HOST", f"/ip4/{bed.host_ip(i)}/tcp/0"),
+            i, [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs", f"/ip4/{bed.host_ip(i)}/tcp/0",
                 "--initial-peers", maddr, "--use-relay", str(relay).lower(), "--log-file",
                 str(out / f"{name}.jsonl"), *peer_args, *(peer_extra or {}).get(i, ())],
             stdout=open(out / f"{name}.out", "w"), stderr=subprocess.STDOUT,
