@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import logging
 import os
 import re
@@ -251,6 +252,14 @@ class Testbed:
             atexit.unregister(self.down)
         except Exception:  # noqa: BLE001 - atexit may already be running
             pass
+
+    def link_bytes(self, index: int) -> tuple[int, int]:
+        """Bytes host ``index``'s link has carried so far (received, sent), as its bridge port counts them
+        (headers included); for a home, its router's link to the internet."""
+        out = _run("ip", "-n", self.bridge_ns, "-s", "-j", "link", "show", f"h{index}").stdout
+        stats = json.loads(out)[0]["stats64"]
+        # the bridge port's rx is what the host sent, its tx what the host received
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def set_link(self, index: int, up: bool) -> None:
         """Cut (``up=False``) or restore host ``index``'s link: a network partition, as when a home router
