@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from swarm_procs import FAST
 
-from benchmarks.testbed import Testbed, missing_requirements, start_swarm, wait_peers
+from benchmarks.testbed import MADDR, Testbed, missing_requirements, start_swarm, wait_peers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420),
               pytest.mark.skipif(missing_requirements(nat=True) is not None,
@@ -126,8 +126,7 @@ def test_doctor_reachability_line_tells_each_home_setup_apart(tmp_path: Path) ->
     relay, ok with a forwarded port announced, ok in client mode."""
     with Testbed(2, 20, homes=(1,), prefix=f"nd{tmp_path.name[-6:]}") as bed:
         procs = start_swarm(bed, tmp_path, 0, [], relay=True)
-        maddr = next(line.split()[-1] for line in (tmp_path / "bootstrap.out").read_text().splitlines()
-                     if "--initial-peers" in line)
+        maddr = MADDR.search((tmp_path / "bootstrap.out").read_text()).group(0)
         bed.forward_port(1, 31351)
         base = ["--initial-peers", maddr, "--run-id", "nat", "--model", "tiny", "--startup-timeout-s", "20",
                 "--nat-port-map", "false", "--host-maddrs", f"/ip4/{bed.host_ip(1)}/tcp/31351"]
