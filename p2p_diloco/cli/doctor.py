@@ -153,7 +153,7 @@ def classify_reachability(visible: Sequence[str], initial_peers: Sequence[str], 
     remote = [p for p in initial_peers if is_public(p)]
     nat_fix = ("this peer is behind NAT or a firewall. Either pass --client-mode (you still train and "
                "average), or forward a TCP port on your router and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT "
-               "--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT, or pass --use-relay --use-auto-relay to be "
+               "--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT, or pass --use-auto-relay true to be "
                "reached through a relay")
     if remote:
         return Check("reachability", "fail", f"only private addresses ({shown}) while the swarm is on the "

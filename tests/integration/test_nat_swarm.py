@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from swarm_procs import FAST
 
 from benchmarks.testbed import MADDR, Testbed, missing_requirements, start_swarm, wait_peers
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(missing_requirements(nat=True) is not None,
                                  reason=f"home-network testbed unavailable: {missing_requirements(nat=True)}")]
 
@@ -145,3 +146,38 @@ def test_doctor_reachability_line_tells_each_home_setup_apart(tmp_path: Path) ->
         procs["bootstrap"].terminate()
     for case, (_, expected) in cases.items():
         assert seen[case].startswith(expected), (case, seen[case])
+
+
+def test_a_mixed_swarm_and_a_joiner_behind_nat(tmp_path: Path) -> None:
+    """One public, one forwarded, one relayed and one client peer average together; a client joiner behind
+    another home router downloads the swarm's state mid-run and then averages with them."""
+    with Testbed(6, 20, homes=(2, 3, 4, 5), prefix=f"nm{tmp_path.name[-6:]}") as bed:
+        bed.forward_port(2, 31342)
+        extra = {2: ["--host-maddrs", f"/ip4/{bed.host_ip(2)}/tcp/31342", "--announce-maddrs", f"/ip4/{bed.ip(2)}/tcp/31342"],
+                 3: ["--use-auto-relay", "true"], 4: ["--client-mode", "true"]}
+        run = [*RUN[:3], str(ROUNDS + 2), *RUN[4:]]
+        procs = start_swarm(bed, tmp_path, 4, [*PEER_ARGS, *run], relay=True, peer_extra=extra)
+        deadline = time.monotonic() + LIFE_S
+        while not _rounds(tmp_path, "peer1") and time.monotonic() < deadline and procs["peer1"].poll() is None:
+            time.sleep(0.5)
+        maddr = MADDR.search((tmp_path / "bootstrap.out").read_text()).group(0)
+        procs["joiner"] = bed.popen(5, [sys.executable, "-m", "p2p_diloco.cli.run_peer", *PEER_ARGS, *RUN,
+                                        "--host-maddrs", f"/ip4/{bed.host_ip(5)}/tcp/0", "--initial-peers", maddr,
+                                        "--client-mode", "true", "--log-file", str(tmp_path / "joiner.jsonl")],
+                                    stdout=open(tmp_path / "joiner.out", "w"), stderr=subprocess.STDOUT)
+        codes = wait_peers(procs, LIFE_S + 120)
+    members = ("peer1", "peer2", "peer3", "peer4")
+    rounds = {n: _rounds(tmp_path, n) for n in members}
+    assert codes == {n: 0 for n in (*members, "joiner")}, {n: _tail(tmp_path, n) for n in (*members, "joiner")}
+    by_epoch: dict[int, dict[str, dict]] = defaultdict(dict)
+    for name, rows in rounds.items():
+        for r in rows:
+            if r["outcome"] in ("averaged", "folded_late"):
+                by_epoch[r["new_epoch"]][name] = r
+    together = [e for e, rows in by_epoch.items() if len(rows) == 4 and len({r["params_sha256"] for r in rows.values()}) == 1]
+    assert len(together) >= 3, {n: [(r["outcome"], r["group_size"], r["reason"]) for r in rows] for n, rows in rounds.items()}
+    start = json.loads((tmp_path / "joiner.jsonl").read_text().splitlines()[0])
+    joined = [r for r in _rounds(tmp_path, "joiner") if r["outcome"] in ("averaged", "folded_late")]
+    assert start["how"].startswith("joined") or any(r["outcome"] == "resynced" for r in _rounds(tmp_path, "joiner")), start
+    assert any(r["new_epoch"] in by_epoch and r["params_sha256"] == by_epoch[r["new_epoch"]]["peer1"]["params_sha256"]
+               for r in joined if "peer1" in by_epoch.get(r["new_epoch"], {})), _rounds(tmp_path, "joiner")
