@@ -69,7 +69,7 @@ def run_path(path: str, rate_mbit: float, model: str, rounds: int, out: Path) ->
     epochs = {e for e, n in whole.items() if n == PEERS}
     allreduce, round_s = [], []
     for rs in rows.values():
-        for prev, r in zip(rs, rs[1:]):
+        for prev, r in zip(rs, rs[1:], strict=False):
             if r["new_epoch"] in epochs and r["outcome"] == "averaged":
                 round_s.append(r["time"] - prev["time"])
         allreduce += [r["allreduce_seconds"] for r in rs if r["new_epoch"] in epochs and r["outcome"] == "averaged"]
