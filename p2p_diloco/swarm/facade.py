@@ -24,7 +24,7 @@ from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.dht_writer import DhtWriter
 from p2p_diloco.swarm.quorum import due_peers
-from p2p_diloco.swarm.reach import MESSAGES, Stall, diagnose, own_reach
+from p2p_diloco.swarm.reach import MESSAGES, Reach, Stall, diagnose, own_reach
 from p2p_diloco.swarm.records import (
     PeerProgress,
     fetch_checksums,
@@ -114,8 +114,13 @@ class Swarm:
         Logged as a warning the first time and every 10th round after; never raises."""
         try:
             reach = own_reach(visible_maddrs(self.dht, latest=True) if self.dht else [], self.cfg.client_mode)
+            # read afresh, any epoch: a peer left behind (or one whose policy read nothing yet) must not take
+            # full peers it has not looked for as absent
+            fetched = self._fetch_progress() if reach is Reach.CLIENT else []
+            if fetched is None or (reach is Reach.CLIENT and not fetched):
+                return Stall.NONE  # nothing read: no grounds to call the swarm stalled
             me = self.peer_id
-            full = sum(not r.client_mode and r.peer_id != me for r in self._seen)
+            full = sum(not r.client_mode and r.peer_id != me and r.fingerprint == self.fingerprint for r in fetched)
             stall = diagnose(reach, full, self.cfg.initial_peers)
         except Exception as e:  # noqa: BLE001 - a diagnosis must never end a round
             logger.debug("Could not diagnose the skipped round: %r", e)
