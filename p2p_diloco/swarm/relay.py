@@ -20,7 +20,7 @@ defaults this never happened within a round, for three reasons found in a home-n
    that relays for others (``relay_service``: the bootstrap nodes) has a public address by definition, so we
    force its reachability to public.
    Known gap: the daemon registers that default relay too, on the same protocol, and which of the two answers
-   is a race inside the daemon. In 2 of 8 relayed test swarms the default one won and every relayed stream
+   is a race inside the daemon. In 3 of 10 relayed test swarms the default one won and every relayed stream
    was reset (BENCHMARKS.md, "Behind home routers"); no daemon flag reaches it.
 4. (Testbeds only.) A relay on a private address (10.0.0.0/8 ...) is never announced; real bootstrap nodes
    have public addresses.
