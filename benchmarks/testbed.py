@@ -7,8 +7,17 @@ interfaces are never touched)::
                                ── veth h1 ── netns PREFIXh1: eth0 10.77.0.2/24  (peer 1)
                                ── ...
 
-Each host's link is limited in both directions with ``tc tbf`` (upload on its eth0, download on its bridge
-port), like a home connection with a symmetric plan. Latency is added with ``netem`` where the kernel has it;
+Hosts named in ``homes`` sit behind a home router instead: a namespace ``PREFIXr<i>`` that holds the public
+address on its ``wan0`` and the home's LAN 192.168.1.0/24 on ``lan0`` (every home the same, as most routers
+ship), the host at 192.168.1.2. With homes, the internet is 11.77.0.0/24 instead of 10.77.0.0/24 (see
+PUBLIC_SUBNET). The router masquerades the LAN (iptables NAT) and drops every new inbound connection, as a
+home router does; :meth:`Testbed.forward_port` adds a DNAT rule, as a volunteer forwarding a port does::
+
+    netns PREFIXbr: br0 ── veth h2 ── netns PREFIXr2: wan0 11.77.0.3 │ NAT │ lan0 192.168.1.1 ── netns PREFIXh2:
+                                                                                             eth0 192.168.1.2
+
+Each host's link is limited in both directions with ``tc tbf`` (upload on its eth0, or its router's wan0,
+download on its bridge port), like a home connection with a symmetric plan. Latency is added with ``netem`` where the kernel has it;
 where not (``sch_netem`` is missing on many cloud kernels) the testbed says so and runs without added delay.
 
 Use as a library (benchmarks and tests)::
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import logging
 import os
 import re
@@ -40,20 +50,27 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SUBNET = "10.77.0"
-MADDR = re.compile(r"/ip4/10\.77\.0\.\d+/tcp/\d+/p2p/\w+")
+# The internet of a testbed with home routers. libp2p treats 10.0.0.0/8 (and the documentation ranges) as
+# private: a relay at such an address is never announced (a relayed address must go through a public one)
+# and AutoNAT never finds a host public. So the public side holds addresses that libp2p counts as public;
+# 11.0.0.0/8 is not routed on the real internet, and no packet to it ever leaves our namespaces anyway.
+PUBLIC_SUBNET = "11.77.0"
+MADDR = re.compile(r"/ip4/(?:10\.77|11\.77)\.0\.\d+/tcp/\d+/p2p/\w+")
 
 
 class TestbedError(RuntimeError):
     """The testbed cannot be built here (no root, no iproute2, a command failed)."""
 
 
-def missing_requirements() -> str | None:
-    """Why a testbed cannot be built on this machine, or None when it can."""
+def missing_requirements(nat: bool = False) -> str | None:
+    """Why a testbed (with home routers where ``nat``) cannot be built on this machine, or None when it can."""
     if os.geteuid() != 0:
         return "network namespaces need root: run as root (e.g. with sudo)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"'{tool}' is not installed: install iproute2"
+    if nat and shutil.which("iptables") is None:
+        return "'iptables' is not installed (home routers need NAT): apt-get install iptables"
     return None
 
 
@@ -74,6 +91,8 @@ class Testbed:
 
     Args:
         hosts: how many namespaces (a bootstrap plus N peers needs N + 1).
+        homes: indices of the hosts behind a home router (NAT, no inbound connections); the rest are
+            public. Host 0 is usually the bootstrap node and public.
         rate_mbit: each host's bandwidth in Mbit/s, per direction.
         latency_ms: one-way delay added with netem on each host's uplink, if the kernel has netem.
         prefix: namespace name prefix; default ``pd<pid>`` so concurrent testbeds never collide.
@@ -84,9 +103,12 @@ class Testbed:
     __test__ = False  # not a pytest test class, despite the name
 
     def __init__(self, hosts: int, rate_mbit: float, *, latency_ms: float = 0.0, prefix: str | None = None,
-                 queue_ms: float = 100.0) -> None:
+                 queue_ms: float = 100.0, homes: Sequence[int] = ()) -> None:
         if not 1 <= hosts <= 200:
             raise ValueError(f"hosts must be in [1, 200], got {hosts}")
+        if any(not 0 <= i < hosts for i in homes):
+            raise ValueError(f"homes must be host indices in [0, {hosts - 1}], got {list(homes)}")
+        self.homes = frozenset(homes)
         if not 0.1 <= rate_mbit <= 100_000:
             raise ValueError(f"rate_mbit must be in [0.1, 100000], got {rate_mbit}")
         self.hosts, self.rate_mbit, self.latency_ms, self.queue_ms = hosts, rate_mbit, latency_ms, queue_ms
@@ -100,8 +122,16 @@ class Testbed:
     def ns(self, index: int) -> str:
         return f"{self.prefix}h{index}"
 
+    def router_ns(self, index: int) -> str:
+        return f"{self.prefix}r{index}"
+
     def ip(self, index: int) -> str:
-        return f"{SUBNET}.{index + 1}"
+        """Host ``index``'s public address: its own, or its home router's."""
+        return f"{PUBLIC_SUBNET if self.homes else SUBNET}.{index + 1}"
+
+    def host_ip(self, index: int) -> str:
+        """The address host ``index`` binds to: its public one, or its LAN address behind its router."""
+        return "192.168.1.2" if index in self.homes else self.ip(index)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,7 +143,7 @@ class Testbed:
         self.down()
 
     def up(self) -> None:
-        problem = missing_requirements()
+        problem = missing_requirements(nat=bool(self.homes))
         if problem:
             raise TestbedError(problem)
         atexit.register(self.down)
@@ -141,6 +171,9 @@ class Testbed:
         return probe.returncode == 0
 
     def _add_host(self, i: int) -> None:
+        if i in self.homes:
+            self._add_home(i)
+            return
         ns, port = self.ns(i), f"h{i}"
         _run("ip", "netns", "add", ns)
         # Both veth ends are created inside our namespaces: nothing ever appears in the host's namespace.
@@ -151,6 +184,46 @@ class Testbed:
         _run("ip", "-n", ns, "link", "set", "lo", "up")
         self._shape(ns, "eth0", delay=True)          # upload
         self._shape(self.bridge_ns, port, delay=False)  # download
+
+    def _add_home(self, i: int) -> None:
+        """Host ``i`` behind its own router: masquerade out, drop every new connection in (module docstring)."""
+        ns, router, port = self.ns(i), self.router_ns(i), f"h{i}"
+        _run("ip", "netns", "add", router)
+        _run("ip", "netns", "add", ns)
+        _run("ip", "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", "wan0",
+             "netns", router)
+        _run("ip", "-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
+        _run("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "-n", router, "addr", "add", f"{self.ip(i)}/24", "dev", "wan0")
+        _run("ip", "-n", router, "addr", "add", "192.168.1.1/24", "dev", "lan0")
+        for dev in ("wan0", "lan0", "lo"):
+            _run("ip", "-n", router, "link", "set", dev, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0")
+        _run("ip", "-n", ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "-n", ns, "route", "add", "default", "via", "192.168.1.1")
+        ipt = ["ip", "netns", "exec", router, "iptables"]
+        _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        _run(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE")
+        _run(*ipt, "-P", "FORWARD", "DROP")
+        _run(*ipt, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
+        _run(*ipt, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        # a forwarded port (forward_port) is a DNAT rule; its packets pass FORWARD in state DNAT
+        _run(*ipt, "-A", "FORWARD", "-i", "wan0", "-m", "conntrack", "--ctstate", "DNAT", "-j", "ACCEPT")
+        # nothing on the router itself listens: new connections to it are dropped, not refused
+        _run(*ipt, "-A", "INPUT", "-i", "wan0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+             "-j", "ACCEPT")
+        _run(*ipt, "-A", "INPUT", "-i", "wan0", "-j", "DROP")
+        self._shape(router, "wan0", delay=True)         # upload
+        self._shape(self.bridge_ns, port, delay=False)  # download
+
+    def forward_port(self, index: int, port: int) -> None:
+        """Forward TCP ``port`` of home ``index``'s public address to the same port of the host behind it."""
+        if index not in self.homes:
+            raise ValueError(f"host {index} is not behind a home router")
+        _run("ip", "netns", "exec", self.router_ns(index), "iptables", "-t", "nat", "-A", "PREROUTING", "-i",
+             "wan0", "-p", "tcp", "--dport", str(port), "-j", "DNAT", "--to-destination",
+             f"{self.host_ip(index)}:{port}")
 
     def _shape(self, ns: str, dev: str, *, delay: bool) -> None:
         rate_bps = self.rate_mbit * 1e6
@@ -172,12 +245,21 @@ class Testbed:
         for proc in self.procs:
             _stop(proc)
         self.procs.clear()
-        for ns in [self.ns(i) for i in range(self.hosts)] + [self.bridge_ns]:
+        routers = [self.router_ns(i) for i in sorted(self.homes)]
+        for ns in [self.ns(i) for i in range(self.hosts)] + routers + [self.bridge_ns]:
             _run("ip", "netns", "del", ns, check=False)  # deleting a namespace removes its veths too
         try:
             atexit.unregister(self.down)
         except Exception:  # noqa: BLE001 - atexit may already be running
             pass
+
+    def link_bytes(self, index: int) -> tuple[int, int]:
+        """Bytes host ``index``'s link has carried so far (received, sent), as its bridge port counts them
+        (headers included); for a home, its router's link to the internet."""
+        out = _run("ip", "-n", self.bridge_ns, "-s", "-j", "link", "show", f"h{index}").stdout
+        stats = json.loads(out)[0]["stats64"]
+        # the bridge port's rx is what the host sent, its tx what the host received
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def set_link(self, index: int, up: bool) -> None:
         """Cut (``up=False``) or restore host ``index``'s link: a network partition, as when a home router
@@ -235,24 +317,29 @@ def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 60.0) ->
 
 
 def start_swarm(bed: Testbed, out: Path, peers: int, peer_args: Sequence[str],
-                env: dict[str, str] | None = None, peer_env: dict[int, dict[str, str]] | None = None
+                env: dict[str, str] | None = None, peer_env: dict[int, dict[str, str]] | None = None,
+                *, relay: bool = False, peer_extra: dict[int, Sequence[str]] | None = None
                 ) -> dict[str, subprocess.Popen]:
-    """A bootstrap in host 0 and ``peers`` run_peer processes in hosts 1..N, logging to ``out``."""
+    """A bootstrap in host 0 and ``peers`` run_peer processes in hosts 1..N, logging to ``out``.
+
+    ``relay`` lets the bootstrap relay for peers behind home routers and turns relays on for every peer (else
+    off, as on a testbed where every address is reachable); ``peer_extra`` adds arguments for single peers.
+    """
     out.mkdir(parents=True, exist_ok=True)
     base_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     boot_out = out / "bootstrap.out"
     boot = bed.popen(0, [sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path",
-                         str(out / "bootstrap.id"), "--host-maddrs", f"/ip4/{bed.ip(0)}/tcp/0",
-                         "--use-relay", "false"],
+                         str(out / "bootstrap.id"), "--host-maddrs", f"/ip4/{bed.host_ip(0)}/tcp/0",
+                         "--use-relay", str(relay).lower()],
                      stdout=open(boot_out, "w"), stderr=subprocess.STDOUT, env=base_env)
     maddr = wait_for_maddr(boot_out, boot)
     procs = {"bootstrap": boot}
     for i in range(1, peers + 1):
         name = f"peer{i}"
         procs[name] = bed.popen(
-            i, [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs", f"/ip4/{bed.ip(i)}/tcp/0",
-                "--initial-peers", maddr, "--use-relay", "false", "--log-file", str(out / f"{name}.jsonl"),
-                *peer_args],
+            i, [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs", f"/ip4/{bed.host_ip(i)}/tcp/0",
+                "--initial-peers", maddr, "--use-relay", str(relay).lower(), "--log-file",
+                str(out / f"{name}.jsonl"), *peer_args, *(peer_extra or {}).get(i, ())],
             stdout=open(out / f"{name}.out", "w"), stderr=subprocess.STDOUT,
             env=dict(base_env, **((peer_env or {}).get(i, {}))))
     return procs

@@ -121,33 +121,30 @@ def _host(maddr_text: str) -> tuple[str, str] | None:
     return None
 
 
-def is_public(maddr_text: str) -> bool:
-    """Whether peers elsewhere on the internet could dial this address (a global IP or a DNS name)."""
-    host = _host(maddr_text)
-    if host is None:
-        return False
-    proto, value = host
-    if proto.startswith("dns"):
-        return value != "localhost"
-    try:
-        return ipaddress.ip_address(value).is_global
-    except ValueError:
-        return False
-
-
-def classify_reachability(visible: Sequence[str], initial_peers: Sequence[str], client_mode: bool) -> Check:
+def classify_reachability(visible: Sequence[str], initial_peers: Sequence[str], client_mode: bool,
+                          relay_asked: bool = False) -> Check:
     """Can the other peers dial this one? Judged from the addresses the daemon announces.
 
     Peers of a group dial each other during every all-reduce, so a peer that announces only private
     addresses while the swarm lives on the internet stalls others' rounds: it must run in client mode
-    (others need not dial it) or become reachable (port forwarding or a relay).
+    (others need not dial it) or become reachable (port forwarding or a relay). ``relay_asked``: the peer
+    runs with ``use_auto_relay`` and ``visible`` holds what a daemon with its initial peers as relays
+    announced (:func:`relayed_addresses`).
     """
+    from p2p_diloco.swarm.reach import is_public
+
     if client_mode:
         return Check("reachability", "ok", "client mode: nobody needs to dial this peer; it averages with "
                                            "others but does not aggregate parts for them or serve state")
     relayed = [a for a in visible if "/p2p-circuit" in a]
     if relayed:
-        return Check("reachability", "ok", f"reachable through a relay: {relayed[0]}")
+        return Check("reachability", "ok", f"reachable through a relay: {relayed[0]}; every byte to and from "
+                                           "this peer crosses the relay's link (a forwarded port is faster)")
+    if relay_asked:
+        return Check("reachability", "fail", "asked for a relay (--use-auto-relay), but no initial peer granted "
+                                             "one: other peers cannot dial this one",
+                     "the bootstrap nodes relay unless run with --use-relay false: ask their operator; "
+                     "meanwhile pass --client-mode true, or forward a TCP port and pass --announce-maddrs")
     public = [a for a in visible if is_public(a)]
     if public:
         return Check("reachability", "ok", f"announces public address(es) {', '.join(public[:3])}; other peers "
@@ -156,7 +153,7 @@ def classify_reachability(visible: Sequence[str], initial_peers: Sequence[str], 
     remote = [p for p in initial_peers if is_public(p)]
     nat_fix = ("this peer is behind NAT or a firewall. Either pass --client-mode (you still train and "
                "average), or forward a TCP port on your router and pass --host-maddrs /ip4/0.0.0.0/tcp/PORT "
-               "--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT, or pass --use-relay --use-auto-relay to be "
+               "--announce-maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT, or pass --use-auto-relay true to be "
                "reached through a relay")
     if remote:
         return Check("reachability", "fail", f"only private addresses ({shown}) while the swarm is on the "
@@ -363,6 +360,31 @@ def _announced(averager, timeout: float) -> bool:
     return False
 
 
+def relayed_addresses(swarm, wait_s: float) -> list[str]:
+    """What a throwaway daemon that asks the initial peers for a relay announces, polled up to ``wait_s``
+    seconds for a ``/p2p-circuit`` address (a relay that works grants one within a second or two)."""
+    import time
+
+    from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
+
+    try:
+        dht = start_dht(dataclasses.replace(swarm, host_maddrs=["/ip4/0.0.0.0/tcp/0"], announce_maddrs=[],
+                                            identity_path=None, client_mode=False, nat_port_map=False))
+    except SwarmStartError as e:
+        logger.warning("No relay probe: %s", e)
+        return []
+    try:
+        deadline, visible = time.monotonic() + wait_s, []
+        while time.monotonic() < deadline:
+            visible = visible_maddrs(dht, latest=True)
+            if any("/p2p-circuit" in a for a in visible):
+                break
+            time.sleep(0.5)
+        return visible
+    finally:
+        dht.shutdown()
+
+
 def _listening(maddrs: Sequence[str]) -> str:
     """The addresses the daemon really listens on (ports chosen for ``/tcp/0`` included), without /p2p/ID."""
     shown = sorted({a.split("/p2p/")[0] for a in maddrs if "/p2p-circuit" not in a})
@@ -389,9 +411,12 @@ def check_network(cfg, fingerprint: str | None = None) -> list[Check]:
         visible = visible_maddrs(dht, latest=True)
         checks = [Check("p2p daemon", "ok", f"started as {dht.peer_id}, listening on {_listening(visible)}"),
                   check_averager(cfg.swarm, dht, fingerprint)]
-        reachability = classify_reachability(visible, cfg.swarm.initial_peers, cfg.swarm.client_mode)
+        relay_asked = cfg.swarm.use_auto_relay and bool(cfg.swarm.initial_peers) and not cfg.swarm.client_mode
     finally:
         dht.shutdown()
+    if relay_asked:
+        visible = relayed_addresses(cfg.swarm, wait_s=min(15.0, cfg.swarm.startup_timeout_s))
+    reachability = classify_reachability(visible, cfg.swarm.initial_peers, cfg.swarm.client_mode, relay_asked)
     probed = [probe_initial_peer(cfg.swarm, maddr) for maddr in cfg.swarm.initial_peers]
     peers = [check for check, _, _ in probed]
     if peers and not any(c.status == "ok" for c in peers):

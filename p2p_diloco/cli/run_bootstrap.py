@@ -42,7 +42,8 @@ class BootstrapConfig:
     """Other bootstrap nodes of the same swarm, so that the nodes know each other (redundancy)."""
 
     use_relay: bool = True
-    """Relay traffic for volunteers behind NAT (libp2p circuit relay)."""
+    """Relay traffic for volunteers behind NAT who run with ``--use-auto-relay`` (libp2p circuit relay). Every
+    relayed byte crosses this node's link twice; bootstrap/README.md says what that costs per round."""
 
     metrics_port: int | None = None
     """Serve swarm-level Prometheus metrics (peers online, global epoch, tokens/s, per-peer epoch lag, rounds)
@@ -73,7 +74,7 @@ class BootstrapConfig:
         return SwarmConfig(
             initial_peers=list(self.initial_peers), host_maddrs=list(self.host_maddrs),
             announce_maddrs=list(self.announce_maddrs), identity_path=self.identity_path,
-            client_mode=False, use_relay=self.use_relay,
+            client_mode=False, use_relay=self.use_relay, relay_service=self.use_relay,
         )
 
 

@@ -63,6 +63,26 @@ class Outcome(str, enum.Enum):
         return self in (Outcome.AVERAGED, Outcome.FOLDED_LATE, Outcome.RESYNCED)
 
 
+class Stall(str, enum.Enum):
+    """Why no round of this swarm can average, as far as a peer can tell ("" when it sees no reason); the
+    swarm layer diagnoses it (``swarm.reach``) after a skipped round."""
+
+    NONE = ""
+    ALL_CLIENTS = "all_clients"
+    """Every peer of the run is in client mode: nobody can lead a group or reduce a part."""
+    UNREACHABLE = "unreachable"
+    """This full peer announces only private addresses while the swarm is on the internet."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STALL_HINTS = {
+    Stall.ALL_CLIENTS: "nobody can reduce: every peer is in client mode (see the warning for the fix)",
+    Stall.UNREACHABLE: "nobody outside this network can dial this peer (see the warning for the fix)",
+}
+
+
 @dataclass
 class RoundResult:
     """What one all-reduce produced for this peer, built where the all-reduce ends. Tensors: CPU, template
@@ -337,6 +357,8 @@ class RoundReport:
     """How many late contributions (any member's) this round applied."""
     rejected: list[str] = field(default_factory=list)
     """Hostile or unauthorised input rejected at receipt, as "peer id: reason"; those peers are banned."""
+    stall: Stall = Stall.NONE
+    """After a skipped round: why no round of this swarm can average, when the peer can tell (``swarm.reach``)."""
     rejected_records: dict[str, int] = field(default_factory=dict)
     """DHT records dropped since the last round, by kind (``swarm.signing``); ``record_bans`` lists the
     writers banned for a record they signed, as "peer id: reason"."""

@@ -23,12 +23,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
+from p2p_diloco.core.rounds import Stall
 from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.report import Outcome, RoundReport, SessionListener
 from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS
 
 PREFIX = "p2p_diloco_"
 OUTCOMES = tuple(o.value for o in Outcome)
+STALL_CAUSES = tuple(s.value for s in Stall if s is not Stall.NONE)
 PHASES = ("starting", "training", "matchmaking", "averaging", "syncing")
 
 # Seconds: loopback rounds take a few seconds, internet rounds of a 150M model tens to hundreds.
@@ -92,6 +94,10 @@ class PeerMetrics(SessionListener):
         self.phase = Gauge(PREFIX + "phase", "1 for the phase the peer is in now, 0 for the others.",
                            ["phase"], registry=r)
         self.epoch = Gauge(PREFIX + "epoch", "Outer epoch of this peer's parameters (completed rounds).", registry=r)
+        self.stalled = Gauge(PREFIX + "swarm_stalled",
+                             "1 while rounds skip for a reason no waiting fixes (cause: all_clients, every peer in "
+                             "client mode; unreachable, this full peer cannot be dialled); 0 otherwise. The log "
+                             "says the fix.", ["cause"], registry=r)
         self.steps = Gauge(PREFIX + "inner_step", "Inner optimizer steps taken (the trainer's counter).",
                            registry=r)
         self.phase_step = Gauge(PREFIX + "phase_step", "Step within the current inner phase.", registry=r)
@@ -157,6 +163,8 @@ class PeerMetrics(SessionListener):
             self.rounds.labels(outcome)
         for phase in PHASES:
             self.phase.labels(phase).set(1 if phase == "starting" else 0)
+        for cause in STALL_CAUSES:
+            self.stalled.labels(cause).set(0)
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
         for reason in RECORD_REJECTION_REASONS:
@@ -187,6 +195,10 @@ class PeerMetrics(SessionListener):
     def round(self, report: RoundReport, stats: InnerStats) -> None:
         self.rounds.labels(report.outcome).inc()
         self.epoch.set(report.new_epoch)
+        stall = str(getattr(report, "stall", ""))
+        if report.outcome is not Outcome.SKIPPED or stall:  # a skip for another reason leaves it as it was
+            for cause in STALL_CAUSES:
+                self.stalled.labels(cause).set(1 if cause == stall else 0)
         self.train_loss.set(report.train_loss)
         self.inner_seconds.observe(max(0.0, report.inner_seconds))
         if stats.tokens:

@@ -47,7 +47,7 @@ from p2p_diloco.core.evidence import Evidence
 from p2p_diloco.core.hivemind_codecs import wire_compression
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import RoundDriver
-from p2p_diloco.core.rounds import RoundPolicy, RoundReport
+from p2p_diloco.core.rounds import STALL_HINTS, Outcome, RoundPolicy, RoundReport, Stall
 from p2p_diloco.data.loader import DataPosition
 from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.config import PeerConfig
@@ -328,6 +328,10 @@ class SwarmSession:
                              train_loss=stats.mean_loss)
         began, self.port.network_s = time.monotonic(), 0.0
         self.driver.end(float(stats.samples), report, stats.seconds)
+        if report.outcome is Outcome.SKIPPED:
+            report.stall = self.swarm.diagnose_stall(self.epoch)
+            if report.stall is not Stall.NONE:
+                report.reason = f"{report.reason}; {STALL_HINTS[report.stall]}"
         report.params_sha256 = self.params_sha256()
         report.overhead_seconds = max(0.0, time.monotonic() - began - self.port.network_s)
         self._publish_progress()

@@ -148,7 +148,17 @@ class SwarmConfig:
     """Let libp2p circuit relays carry traffic to peers behind NAT. Keep on unless every peer is reachable."""
 
     use_auto_relay: bool = False
-    """Look for a relay that makes this peer reachable while it is behind NAT; pairs with ``use_relay``."""
+    """Behind NAT without port forwarding: reserve a slot on the relays among ``initial_peers`` (the bootstrap
+    nodes relay) and announce an address through them, so that others can dial this peer. Needs
+    ``use_relay`` and ``initial_peers``. Every byte to and from this peer then crosses a relay's link: prefer a
+    forwarded port where you can (peers/README.md, "Behind NAT")."""
+
+    relay_service: bool = False
+    """Relay for peers behind NAT (``use_auto_relay``). Only for hosts with a public address, such as a
+    bootstrap node (``run_bootstrap`` sets it from its ``use_relay``): the host declares itself public, and
+    its p2p daemon then relays with its own limits (4 GiB and 30 minutes per relayed connection) instead of
+    libp2p's defaults (128 KiB per connection), which reset every all-reduce. Each relayed peer's traffic
+    crosses this host's link twice (in and out): see bootstrap/README.md for what it costs."""
 
     nat_port_map: bool | None = None
     """Ask the home router (UPnP / NAT-PMP) to forward the listening port. ``None`` enables it unless every host
@@ -301,9 +311,16 @@ class SwarmConfig:
             )
         if self.identity_path is not None:
             _check_key_private(self.identity_path)
-        for name in ("client_mode", "use_relay", "use_auto_relay", "adaptive_deadlines"):
+        for name in ("client_mode", "use_relay", "use_auto_relay", "relay_service", "adaptive_deadlines"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.use_auto_relay and not self.use_relay:
+            raise ValueError("use_auto_relay needs use_relay: turn use_relay on, or use_auto_relay off")
+        if self.use_auto_relay and self.relay_service:
+            raise ValueError("use_auto_relay (this host is behind NAT) and relay_service (this host is public) "
+                             "contradict each other: keep the one that is true")
+        if self.relay_service and not self.use_relay:
+            raise ValueError("relay_service needs use_relay: turn use_relay on, or relay_service off")
         if self.nat_port_map is not None and not isinstance(self.nat_port_map, bool):
             raise ValueError(f"nat_port_map must be true, false or None, got {self.nat_port_map!r}")
 

@@ -25,6 +25,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
+from p2p_diloco.swarm import relay
 from p2p_diloco.swarm.config import MULTIADDR_EXAMPLE, SwarmConfig, parse_multiaddr
 from p2p_diloco.swarm.signing import RecordGuard, load_identity_key, register_signer
 
@@ -232,6 +233,7 @@ def _start(
         check_if_identity_free=not loopback and not fresh_key,
         use_relay=cfg.use_relay,
         use_auto_relay=cfg.use_auto_relay,
+        **relay.daemon_kwargs(cfg),
         nat_port_map=nat_port_map,
         startup_timeout=cfg.startup_timeout_s,
         wait_timeout=cfg.dht_wait_timeout_s,

@@ -24,6 +24,7 @@ from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.dht_writer import DhtWriter
 from p2p_diloco.swarm.quorum import due_peers
+from p2p_diloco.swarm.reach import MESSAGES, Reach, Stall, diagnose, own_reach
 from p2p_diloco.swarm.records import (
     PeerProgress,
     fetch_checksums,
@@ -64,6 +65,7 @@ class Swarm:
         """Where a state download keeps its verified chunks so a restart resumes it (``swarm.partial``);
         the peer sets it under its checkpoint directory. ``None``: nothing is kept."""
         self._warned_epoch = -(10**9)
+        self._stall_warned: int | None = None
         """Round of the last "more peers than one group holds" warning."""
         self._seen: list[PeerProgress] = []
         """The progress records :meth:`records` read last: who is due in the next round."""
@@ -107,6 +109,27 @@ class Swarm:
 
     def visible_maddrs(self) -> list[str]:
         return [a for a in visible_maddrs(self.dht) if "/p2p-circuit" not in a] if self.dht else []
+
+    def diagnose_stall(self, epoch: int) -> Stall:
+        """After a skipped round: why no round of this swarm can average, if this peer can tell (``swarm.reach``).
+        Logged as a warning the first time and every 10th round after; never raises."""
+        try:
+            reach = own_reach(visible_maddrs(self.dht, latest=True) if self.dht else [], self.cfg.client_mode)
+            # read afresh, any epoch: a peer left behind (or one whose policy read nothing yet) must not take
+            # full peers it has not looked for as absent
+            fetched = self._fetch_progress() if reach is Reach.CLIENT else []
+            if fetched is None or (reach is Reach.CLIENT and not fetched):
+                return Stall.NONE  # nothing read: no grounds to call the swarm stalled
+            me = self.peer_id
+            full = sum(not r.client_mode and r.peer_id != me and r.fingerprint == self.fingerprint for r in fetched)
+            stall = diagnose(reach, full, self.cfg.initial_peers)
+        except Exception as e:  # noqa: BLE001 - a diagnosis must never end a round
+            logger.debug("Could not diagnose the skipped round: %r", e)
+            return Stall.NONE
+        if stall is not Stall.NONE and (self._stall_warned is None or epoch >= self._stall_warned + 10):
+            self._stall_warned = epoch
+            logger.warning("Round %d skipped and rounds will keep skipping: %s", epoch, MESSAGES[stall])
+        return stall
 
     # ------------------------------------------------------------------ records
 

@@ -105,3 +105,26 @@ def test_client_mode_peer_joins_downloads_and_averages_with_full_peers(tmp_path:
     # the full peers announce their state; the client, which nobody can dial, never does
     assert set(ids.values()) <= peers
     assert {ids["a"], ids["b"]} <= donors and ids["c"] not in donors, (donors, ids)
+
+
+def test_a_swarm_of_only_clients_says_nobody_can_reduce(tmp_path: Path) -> None:
+    """Two client-mode peers and a bootstrap node: nobody can lead or reduce, so no round can average. Each
+    must say so from its first skipped round: in the round's row (``stall``) and a warning naming the fix."""
+    boot, maddr = start_bootstrap(tmp_path)
+    procs: dict = {}
+    try:
+        for name in "xy":
+            procs[name] = start_peer(tmp_path, name, maddr, *RUN, "--client-mode", "true", "--max-rounds", "1")
+        codes = wait_all(procs, 180)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        boot.terminate()
+    assert codes == {"x": 0, "y": 0}, {n: tail(tmp_path, n) for n in procs}
+    for name in "xy":
+        rows = events(tmp_path, name, "round")
+        assert [r["outcome"] for r in rows] == ["skipped"] and rows[0]["stall"] == "all_clients", rows
+        assert "nobody can reduce" in rows[0]["reason"]
+        out = tail(tmp_path, name, 10**6)
+        assert "every peer of this run is in client mode" in out and "Fix:" in out, out[-3000:]

@@ -110,3 +110,47 @@ def test_cli_without_root_explains_and_exits() -> None:
                               text=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "need root" in proc.stderr and "Traceback" not in proc.stderr
+
+
+SERVE = ("import socket\n"
+         "s = socket.create_server(('0.0.0.0', {port}))\n"
+         "print('listening', flush=True)\n"
+         "c, peer = s.accept(); c.sendall(peer[0].encode())")
+DIAL = ("import socket\n"
+        "try:\n"
+        "    c = socket.create_connection(('{ip}', {port}), timeout=3); print(c.recv(64).decode())\n"
+        "except OSError as e:\n"
+        "    print('failed', type(e).__name__)")
+
+
+def _dial(bed: Testbed, server: int, client: int, ip: str, port: int) -> str:
+    """Start a one-shot TCP server in host ``server``, dial it from host ``client``: what the server saw as
+    the client's address, or 'failed ...'."""
+    srv = bed.popen(server, [sys.executable, "-c", SERVE.format(port=port)], stdout=subprocess.PIPE, text=True)
+    assert srv.stdout.readline().strip() == "listening"
+    cli = bed.popen(client, [sys.executable, "-c", DIAL.format(ip=ip, port=port)], stdout=subprocess.PIPE,
+                    text=True)
+    out, _ = cli.communicate(timeout=30)
+    srv.kill()
+    return out.strip()
+
+
+@pytest.mark.skipif(missing_requirements(nat=True) is not None, reason=f"{missing_requirements(nat=True)}")
+def test_home_routers_masquerade_drop_inbound_and_forward_on_request() -> None:
+    prefix = f"pdn{os.getpid()}"
+    with Testbed(hosts=3, rate_mbit=50, prefix=prefix, homes=(1, 2)) as bed:
+        assert sorted(list_namespaces(prefix)) == sorted([bed.bridge_ns, *(bed.ns(i) for i in range(3)),
+                                                          bed.router_ns(1), bed.router_ns(2)])
+        assert bed.host_ip(1) == bed.host_ip(2) == "192.168.1.2" and bed.host_ip(0) == bed.ip(0)
+        # out: the public host sees the home router's public address (masquerade)
+        assert _dial(bed, 0, 1, bed.ip(0), 9100) == bed.ip(1)
+        # in: a new connection to a home is dropped (a timeout, not a refusal), from the internet or another home
+        assert _dial(bed, 1, 0, bed.ip(1), 9101) == "failed TimeoutError"
+        assert _dial(bed, 1, 2, bed.ip(1), 9102) == "failed TimeoutError"
+        # a forwarded port lets it in, to the host behind the router
+        bed.forward_port(1, 9103)
+        assert _dial(bed, 1, 0, bed.ip(1), 9103) == bed.ip(0)
+        assert "tbf" in _qdiscs(bed.router_ns(1), "wan0")
+        with pytest.raises(ValueError, match="not behind a home router"):
+            bed.forward_port(0, 9104)
+    assert list_namespaces(prefix) == []

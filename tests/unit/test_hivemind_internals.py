@@ -43,6 +43,7 @@ METHODS = [
     (AllReduceRunner, "_generate_input_for_peer", "swarm/runner.py overrides it"),
     (AllReduceRunner, "_ban_sender", "swarm/runner.py calls it"),
     (RSASignatureValidator, "_serialize_record", "swarm/signing.py calls it"),
+    (P2P, "_make_process_args", "swarm/relay.py wraps it (adds -relayDiscovery=0 for static relays)"),
 ]
 FIELDS = [
     (DecentralizedAverager, "_outer_pipe", "swarm/averager.py, swarm/state.py send commands through it"),
@@ -78,6 +79,14 @@ SIGNATURES = {
     (DecentralizedAverager, "_register_allreduce_group"): ["self", "group_info"],
     (DecentralizedAverager, "_shutdown"): ["self", "timeout"],
 }
+
+
+def test_p2p_daemon_command_line_takes_the_flags_the_relay_settings_add() -> None:
+    """swarm/relay.py adds ``relayDiscovery`` to the keyword flags hivemind turns into ``-key=value``."""
+    args = P2P._make_process_args("p2pd", autoRelay=True, relayDiscovery=False, trustedRelays="/ip4/1.2.3.4")
+    assert args == ["p2pd", "-autoRelay=1", "-relayDiscovery=0", "-trustedRelays=/ip4/1.2.3.4"]
+    assert "force_reachability" in inspect.signature(P2P.create).parameters
+    assert "trusted_relays" in inspect.signature(P2P.create).parameters
 
 
 def _assigned(cls: type, name: str) -> bool:

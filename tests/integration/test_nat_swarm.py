@@ -1,0 +1,170 @@
+"""Volunteers behind home routers, live: real bootstrap and run_peer processes in the home-network testbed
+(``benchmarks/testbed.py`` with ``homes``: every home router masquerades its LAN and drops new inbound
+connections; the bootstrap node is public). Each way in of the peers' guide ("Behind NAT") must average
+rounds that end in identical parameters; a swarm nobody can dial must say so, with the fix.
+
+Needs root and iptables (CI has both); skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from swarm_procs import FAST
+
+from benchmarks.testbed import MADDR, Testbed, missing_requirements, start_swarm, wait_peers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.skipif(missing_requirements(nat=True) is not None,
+                                 reason=f"home-network testbed unavailable: {missing_requirements(nat=True)}")]
+
+# FAST timings without its loopback address (the testbed gives each peer its own), rounds of 10 steps
+assert FAST[0] == "--host-maddrs"
+PEER_ARGS = FAST[2:]
+ROUNDS = 6  # start-up skew may cost the first rounds their full group; three of six must be whole
+RUN = ["--run-id", "nat", "--max-rounds", str(ROUNDS), "--eval-every", "0", "--target-group-size", "4"]
+# bound on one swarm's life: start-up, ROUNDS rounds of at most swarm_procs.ROUND_BUDGET_S, shutdown
+LIFE_S = 60 + ROUNDS * 70
+
+
+def _rounds(out: Path, name: str) -> list[dict]:
+    path = out / f"{name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [r for r in rows if r["event"] == "round"]
+
+
+def _tail(out: Path, name: str) -> str:
+    path = out / f"{name}.out"
+    return path.read_text()[-3000:] if path.exists() else ""
+
+
+def _run(bed: Testbed, out: Path, extra: dict[int, list[str]], relay: bool) -> tuple[dict, dict[str, list[dict]]]:
+    procs = start_swarm(bed, out, 3, [*PEER_ARGS, *RUN], relay=relay, peer_extra=extra)
+    codes = wait_peers(procs, LIFE_S)
+    return codes, {name: _rounds(out, name) for name in procs if name != "bootstrap"}
+
+
+def _payload_sent(rounds: dict[str, list[dict]]) -> int:
+    """All-reduce bytes the peers sent, all rounds together, as they count them (payload only)."""
+    return sum(r["bytes_sent"] for rows in rounds.values() for r in rows)
+
+
+def _assert_averaged_together(codes: dict, rounds: dict[str, list[dict]], out: Path, at_least: int = 3) -> None:
+    """Every peer exited 0, and in ``at_least`` epochs all three averaged in one group to the same parameters."""
+    assert codes == {n: 0 for n in rounds}, {n: _tail(out, n) for n in rounds}
+    by_epoch: dict[int, dict[str, dict]] = defaultdict(dict)
+    for name, rows in rounds.items():
+        for r in rows:
+            if r["outcome"] in ("averaged", "folded_late"):
+                by_epoch[r["new_epoch"]][name] = r
+    together = [e for e, rows in by_epoch.items() if len(rows) == 3 and all(r["group_size"] == 3 for r in rows.values())]
+    assert len(together) >= at_least, {n: [(r["outcome"], r["group_size"], r["reason"]) for r in rows]
+                                       for n, rows in rounds.items()}
+    for e in together:
+        assert len({r["params_sha256"] for r in by_epoch[e].values()}) == 1, by_epoch[e]
+
+
+def test_client_mode_home_peers_average_with_a_public_full_peer(tmp_path: Path) -> None:
+    """Guide choice 1: two home peers in client mode, one public full peer that leads and reduces."""
+    with Testbed(4, 20, homes=(2, 3), prefix=f"nc{tmp_path.name[-6:]}") as bed:
+        codes, rounds = _run(bed, tmp_path, {2: ["--client-mode", "true"], 3: ["--client-mode", "true"]},
+                             relay=True)
+    _assert_averaged_together(codes, rounds, tmp_path)
+
+
+def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Path) -> None:
+    """Guide choice 3: three home peers, nobody public but the bootstrap node, which relays."""
+    with Testbed(4, 20, homes=(1, 2, 3), prefix=f"nr{tmp_path.name[-6:]}") as bed:
+        codes, rounds = _run(bed, tmp_path, {i: ["--use-auto-relay", "true"] for i in (1, 2, 3)}, relay=True)
+        relay_received, relay_sent = bed.link_bytes(0)
+    _assert_averaged_together(codes, rounds, tmp_path)
+    # Every all-reduce byte went through the bootstrap node: it received and sent at least what the peers sent.
+    payload = _payload_sent(rounds)
+    assert payload > 0 and min(relay_received, relay_sent) >= payload, (payload, relay_received, relay_sent)
+
+
+def test_port_forwarded_home_peers_average_without_relays(tmp_path: Path) -> None:
+    """Guide choice 2: two home peers forward a port (DNAT on their routers) and announce their public
+    address; relays are off, so the homes reach each other through the forwarded ports only."""
+    with Testbed(4, 20, homes=(2, 3), prefix=f"nf{tmp_path.name[-6:]}") as bed:
+        extra = {}
+        for i in (2, 3):
+            port = 31340 + i
+            bed.forward_port(i, port)
+            extra[i] = ["--host-maddrs", f"/ip4/{bed.host_ip(i)}/tcp/{port}",
+                        "--announce-maddrs", f"/ip4/{bed.ip(i)}/tcp/{port}"]
+        codes, rounds = _run(bed, tmp_path, extra, relay=False)
+        _, boot_sent = bed.link_bytes(0)
+    _assert_averaged_together(codes, rounds, tmp_path)
+    # direct: the bootstrap node carried no all-reduce (a small share of it at most: DHT traffic only)
+    assert boot_sent < _payload_sent(rounds) / 10, (boot_sent, _payload_sent(rounds))
+
+
+def test_a_swarm_nobody_can_dial_says_so_within_a_round(tmp_path: Path) -> None:
+    """Three home peers, full, no forwarded port, no relay: no round can form. Each peer must say why in the
+    round's log line, its JSON row and a warning that names the fix, from its first skipped round on."""
+    run = [*RUN[:3], "2", *RUN[4:]]  # two rounds suffice to see it
+    with Testbed(4, 20, homes=(1, 2, 3), prefix=f"nu{tmp_path.name[-6:]}") as bed:
+        procs = start_swarm(bed, tmp_path, 3, [*PEER_ARGS, *run], relay=False)
+        codes = wait_peers(procs, LIFE_S)
+    for name in ("peer1", "peer2", "peer3"):
+        assert codes[name] == 0, _tail(tmp_path, name)
+        rows = _rounds(tmp_path, name)
+        assert rows and all(r["outcome"] == "skipped" for r in rows), rows
+        assert rows[0]["stall"] == "unreachable", rows[0]
+        out = (tmp_path / f"{name}.out").read_text()
+        assert "rounds will keep skipping" in out and "--announce-maddrs" in out and "--use-auto-relay" in out, out[-3000:]
+
+
+def test_doctor_reachability_line_tells_each_home_setup_apart(tmp_path: Path) -> None:
+    """The doctor's reachability line, run from a home: FAIL without a way in, ok through the bootstrap's
+    relay, ok with a forwarded port announced, ok in client mode."""
+    with Testbed(2, 20, homes=(1,), prefix=f"nd{tmp_path.name[-6:]}") as bed:
+        procs = start_swarm(bed, tmp_path, 0, [], relay=True)
+        maddr = MADDR.search((tmp_path / "bootstrap.out").read_text()).group(0)
+        bed.forward_port(1, 31351)
+        base = ["--initial-peers", maddr, "--run-id", "nat", "--model", "tiny", "--startup-timeout-s", "20",
+                "--nat-port-map", "false", "--host-maddrs", f"/ip4/{bed.host_ip(1)}/tcp/31351"]
+        cases = {
+            "none": ([], "[FAIL] reachability: only private addresses"),
+            "relay": (["--use-auto-relay", "true"], "[ok  ] reachability: reachable through a relay"),
+            "forward": (["--announce-maddrs", f"/ip4/{bed.ip(1)}/tcp/31351"], "[ok  ] reachability: announces public"),
+            "client": (["--client-mode", "true"], "[ok  ] reachability: client mode"),
+        }
+        seen = {}
+        for case, (flags, _) in cases.items():
+            proc = bed.popen(1, [sys.executable, "-m", "p2p_diloco.cli.run_peer", "doctor", *base, *flags],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            out, _ = proc.communicate(timeout=180)
+            seen[case] = next((line for line in out.splitlines() if "reachability:" in line), out[-2000:])
+        procs["bootstrap"].terminate()
+    for case, (_, expected) in cases.items():
+        assert seen[case].startswith(expected), (case, seen[case])
+
+
+def test_a_mixed_swarm_public_forwarded_relayed_and_client(tmp_path: Path) -> None:
+    """One public, one forwarded, one relayed and one client peer average together."""
+    with Testbed(5, 20, homes=(2, 3, 4), prefix=f"nm{tmp_path.name[-6:]}") as bed:
+        bed.forward_port(2, 31342)
+        extra = {2: ["--host-maddrs", f"/ip4/{bed.host_ip(2)}/tcp/31342", "--announce-maddrs",
+                     f"/ip4/{bed.ip(2)}/tcp/31342"],
+                 3: ["--use-auto-relay", "true"], 4: ["--client-mode", "true"]}
+        procs = start_swarm(bed, tmp_path, 4, [*PEER_ARGS, *RUN], relay=True, peer_extra=extra)
+        codes = wait_peers(procs, LIFE_S)
+    members = ("peer1", "peer2", "peer3", "peer4")
+    rounds = {n: _rounds(tmp_path, n) for n in members}
+    assert codes == {n: 0 for n in members}, {n: _tail(tmp_path, n) for n in members}
+    by_epoch: dict[int, dict[str, dict]] = defaultdict(dict)
+    for name, rows in rounds.items():
+        for r in rows:
+            if r["outcome"] in ("averaged", "folded_late"):
+                by_epoch[r["new_epoch"]][name] = r
+    together = [e for e, rows in by_epoch.items()
+                if len(rows) == 4 and len({r["params_sha256"] for r in rows.values()}) == 1]
+    assert len(together) >= 3, {n: [(r["outcome"], r["group_size"], r["reason"]) for r in rows]
+                                for n, rows in rounds.items()}
