@@ -29,9 +29,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 RELAY = Path(__file__).parents[1] / "swarm_helpers" / "relay.py"
 NAMES = "abc"
-SLOW = ",".join(f"slow_steps@{e}=1" for e in (3, 6, 9, 12))
-"""c falls a round behind now and then: each time a chance to catch up live (a full download instead happens
-when the swarm is two rounds ahead by then, or its donors' update went)."""
+SLOW = ",".join(f"slow_steps@{3 + 2 * i}={0.1 * (i + 1):.1f}" for i in range(14))
+"""c falls behind now and then, each time a little more (0.1 to 1.4 s per step, every other epoch from 3): a live
+catch-up needs c exactly one round behind, and how much slower than a and b that takes depends on the machine's
+speed and load (with 1 s per step at every third epoch, an idle machine's a and b ran 3 rounds ahead each time
+and c always downloaded the whole state). One of the steps of the ramp lands on one round."""
 AFTER = 3
 
 
