@@ -119,6 +119,8 @@ LAN_PEER = "/ip4/192.168.1.20/tcp/31337/p2p/QmcPFB5kbZHwxYhya9RBqC5yXLEbuuBwffRy
 
 
 def test_reachability_decisions() -> None:
+    from p2p_diloco.swarm.reach import is_public  # what the doctor classifies addresses with
+
     private = ["/ip4/192.168.1.5/tcp/4000/p2p/" + ME, "/ip4/127.0.0.1/tcp/4000/p2p/" + ME]
     # behind NAT, joining an internet swarm: others could not dial us -> fail, with the three ways out
     verdict = doctor.classify_reachability(private, [PUBLIC_PEER], client_mode=False)
@@ -131,7 +133,7 @@ def test_reachability_decisions() -> None:
     assert "relay" in doctor.classify_reachability(relayed, [PUBLIC_PEER], client_mode=False).detail
     assert doctor.classify_reachability(private, [LAN_PEER], client_mode=False).status == "ok"
     assert doctor.classify_reachability(private, [], client_mode=False).status == "warn"
-    assert doctor.is_public("/dns4/boot.example.org/tcp/31337") and not doctor.is_public("/ip6/::1/tcp/1")
+    assert is_public("/dns4/boot.example.org/tcp/31337") and not is_public("/ip6/::1/tcp/1")
 
 
 def test_requirement_clash_is_reported() -> None:
