@@ -44,6 +44,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p_diloco.swarm.dht import ensure_identity
+from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 from p2p_diloco.swarm.records import checksum_key, progress_key
 from p2p_diloco.swarm.signing import load_identity_key, parse_signed_subkey, signed_subkey
 
@@ -80,6 +81,12 @@ def _records(key: Any, me: PeerID, run: str, honest: dict[str, bytes], template:
             pk,
             mine,
             _sign(key, pk, mine, MSGPackSerializer.dumps(dict(template, pad="x" * 20_000)), exp),
+        ),
+        (  # a record of another protocol version under our key: dropped unread, never a reason to ban
+            "version",
+            pk,
+            mine,
+            _sign(key, pk, mine, MSGPackSerializer.dumps(dict(template, protocol=PROTOCOL_VERSION + 1)), exp),
         ),
     ]
     for peer, subkey in honest.items():
