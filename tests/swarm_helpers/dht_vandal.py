@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
-import os
 import signal
 import sys
 import threading
@@ -42,6 +40,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from reports import write_report  # sibling module: these scripts run as files
 
 from p2p_diloco.swarm.dht import ensure_identity
 from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
@@ -148,7 +147,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     report: dict[str, Any] = {"peer_id": me.to_base58()}
-    _write(out_path, report)
+    write_report(out_path, report)
     sent, accepted = Counter(), Counter()
     honest: dict[str, bytes] = {}
     template = dict(
@@ -177,15 +176,10 @@ def main() -> None:
             sent[kind] += n_sent
             accepted[kind] += n_accepted
         report.update(sent=dict(sent), accepted=dict(accepted), honest=sorted(honest))
-        _write(out_path, report)
+        write_report(out_path, report)
         stop.wait(PERIOD_S)
     dht.shutdown()
 
-
-def _write(path: Path, report: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

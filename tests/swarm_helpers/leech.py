@@ -17,8 +17,6 @@ first (``first_chunk``) and the donors it leeches (``donors``), rewritten every 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import signal
 import sys
@@ -31,6 +29,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration
+from reports import write_report  # sibling module: these scripts run as files
 
 from p2p_diloco.core.chunks import DIGEST_BYTES
 from p2p_diloco.swarm.averager import RoundAverager
@@ -86,7 +85,7 @@ def main() -> None:
                        record_validators=[RSASignatureValidator(load_identity_key(Path(identity).read_bytes()))],
                        start=True)
     report: dict[str, Any] = {"peer_id": peer_id, "chunks": 0, "first_chunk": None, "donors": []}
-    _write(out_path, report)
+    write_report(out_path, report)
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(1))
@@ -101,28 +100,23 @@ def main() -> None:
                 donors = [PeerID(k).to_base58() for k, v in found.value.items() if v.value is not None]
         time.sleep(0.5)
     report["donors"] = donors
-    _write(out_path, report)
+    write_report(out_path, report)
 
     async def run_all() -> None:
         p2p = await dht.replicate_p2p()
         stop = asyncio.Event()
         tasks = [asyncio.create_task(_leech(p2p, prefix, d, report, stop)) for d in donors for _ in range(LOOPS)]
         while not stopping and time.monotonic() < deadline:
-            _write(out_path, report)
+            write_report(out_path, report)
             await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     if donors:
         asyncio.run(run_all())
-    _write(out_path, report)
+    write_report(out_path, report)
     dht.shutdown()
 
-
-def _write(path: Path, report: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ epoch claimed once capturing}``, rewritten as it goes, until SIGTERM.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from reports import write_report  # sibling module: these scripts run as files
 
 from p2p_diloco.core.delayed import RoundAggregate, apply_round
 from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX, OuterOptimizer
@@ -51,7 +51,7 @@ def main() -> None:
     identity = str(workdir / "relay.id")
     report: dict[str, Any] = {"peer_id": ensure_identity(identity), "epoch": None, "followed": 0, "served": 0,
                               "claimed": None}
-    _write(out_path, report)
+    write_report(out_path, report)
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(1))
@@ -79,7 +79,7 @@ def main() -> None:
     capture = workdir / "capture"
     while not stopping and time.monotonic() < deadline and not capture.exists():
         report["served"] = server.served
-        _write(out_path, report)
+        write_report(out_path, report)
         # Asked at once, not when the records say so: a donor serves a round's update for one inner phase only.
         update = download_update(averager, anchors, sha, epoch, timeout=5)
         if update is None:
@@ -122,14 +122,9 @@ def main() -> None:
         publish_progress(dht, run, epoch=claimed, inner_step=0, steps_per_s=1.0, samples_per_s=4.0,
                          tokens_per_s=256.0, fingerprint=fingerprint, ttl_s=30)
         report["served"] = server.served
-        _write(out_path, report)
+        write_report(out_path, report)
         time.sleep(1.0)
 
-
-def _write(path: Path, report: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
-import json
-import os
 import signal
 import sys
 import threading
@@ -37,6 +35,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from reports import write_report  # sibling module: these scripts run as files
 
 from p2p_diloco.swarm.dht import ensure_identity
 from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
@@ -106,7 +105,7 @@ def main() -> None:
         signal.signal(sig, lambda *_: stop.set())
     report: dict[str, Any] = {"sybils": ids, "node": dht.peer_id.to_base58(), "sent": 0, "accepted": 0,
                               "honest_epochs": []}
-    _write(out_path, report)
+    write_report(out_path, report)
     fingerprint, honest_epoch = "abcdef01", 0
     deadline = time.monotonic() + 600
     while not stop.is_set() and time.monotonic() < deadline:
@@ -116,7 +115,7 @@ def main() -> None:
         report["accepted"] += accepted
         report["honest_epochs"].append(honest_epoch)
         report["fingerprint"] = fingerprint  # the model the records just sent claim
-        _write(out_path, report)
+        write_report(out_path, report)
         stop.wait(PERIOD_S)
         found = dht.get(progress_key(run), latest=True)  # after the first blast: a lookup of nothing is slow
         for subkey, entry in (found.value if found is not None else {}).items():
@@ -129,11 +128,6 @@ def main() -> None:
                     honest_epoch = max(honest_epoch, value["epoch"])
     dht.shutdown()
 
-
-def _write(path: Path, report: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
