@@ -47,6 +47,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from p2p_diloco.cli.run_bootstrap import READY_LINE
+from p2p_diloco.demo import announced
+
 logger = logging.getLogger(__name__)
 
 SUBNET = "10.77.0"
@@ -305,11 +308,12 @@ def install_signal_teardown() -> None:
 
 
 def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The testbed address a bootstrap node prints once it is up (``demo.announced``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        match = MADDR.search(path.read_text(errors="replace")) if path.exists() else None
-        if match:
-            return match.group(0)
+        maddr = announced(path.read_text(errors="replace"), READY_LINE, MADDR) if path.exists() else None
+        if maddr:
+            return maddr
         if proc.poll() is not None:
             raise TestbedError(f"{path.name}: exited with {proc.returncode}: {path.read_text()[-1500:]}")
         time.sleep(0.2)

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from p2p_diloco.cli.run_bootstrap import READY_LINE
+
 PEERS = ("a", "b", "c")
 MADDR = re.compile(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+")
 # Loopback timings and a tiny model: rounds of a few seconds, the whole demo in a few minutes on a laptop.
@@ -35,13 +37,27 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
 
 
-def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 120) -> str:
-    """The first loopback multiaddr ``proc`` prints to ``path``; raises if it exits or stays silent."""
+def announced(text: str, ready: str | None, pattern: re.Pattern[str]) -> str | None:
+    """The first multiaddr matching ``pattern`` after the line ``ready`` (anywhere when ``ready`` is None)."""
+    if ready is not None:
+        at = text.rfind(ready)
+        if at < 0:
+            return None
+        text = text[at:]
+    match = pattern.search(text)
+    return match.group(0) if match else None
+
+
+def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 120,
+                   ready: str | None = READY_LINE) -> str:
+    """The first loopback multiaddr ``proc`` prints to ``path`` after ``ready`` (default: a bootstrap node's
+    line once it is up; a bootstrap that restarts its daemon to fix its relay logs other addresses before);
+    ``ready=None`` for any process's first. Raises if it exits or stays silent."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        match = MADDR.search(path.read_text())
-        if match:
-            return match.group(0)
+        maddr = announced(path.read_text(), ready, MADDR)
+        if maddr:
+            return maddr
         if proc.poll() is not None:
             raise RuntimeError(f"{path.name}: exited with {proc.returncode}: {path.read_text()[-2000:]}")
         time.sleep(0.2)

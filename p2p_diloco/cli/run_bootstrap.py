@@ -18,9 +18,12 @@ from p2p_diloco.config import _RUN_ID
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.records import run_validator
+from p2p_diloco.swarm.relay_check import start_relay_dht
 
 logger = logging.getLogger(__name__)
 PROG = "run_bootstrap"
+READY_LINE = "Volunteers join with:"
+"""Printed once the node is up (its relay checked): the addresses on the next line are the ones to use."""
 
 
 @dataclass
@@ -45,6 +48,14 @@ class BootstrapConfig:
     """Relay traffic for volunteers behind NAT who run with ``--use-auto-relay`` (libp2p circuit relay). Every
     relayed byte crosses this node's link twice; bootstrap/README.md says what that costs per round."""
 
+    relay_check_starts: int = 8
+    """With ``use_relay``: how many times to start the p2p daemon until a check at start finds the right relay
+    answering (``swarm.relay_check``). The daemon runs two relays on one protocol and which one answers is
+    decided by a race at its start; with libp2p's default one, every relayed stream resets after 128 KiB and
+    volunteers behind NAT never average. Each check costs 1-3 s and about half of the daemons need one
+    restart, so 8 starts leave about a 1-in-250 chance of a bad relay (the node then logs an error and runs
+    on). 0 skips the check (a node on a private test network, where nobody relies on the relay)."""
+
     metrics_port: int | None = None
     """Serve swarm-level Prometheus metrics (peers online, global epoch, tokens/s, per-peer epoch lag, rounds)
     on this port (0.0.0.0), read from the progress records peers publish in the DHT. Default: none."""
@@ -62,6 +73,8 @@ class BootstrapConfig:
             raise ValueError("identity_path: a bootstrap node needs a persistent identity file")
         if not self.host_maddrs:
             raise ValueError("host_maddrs: give at least one address to listen on")
+        if not 0 <= self.relay_check_starts <= 100:
+            raise ValueError(f"relay_check_starts: must be in [0, 100], got {self.relay_check_starts}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [1, 65535], got {self.metrics_port}")
         bad = [r for r in self.monitor_run_ids if not _RUN_ID.match(r)]
@@ -87,7 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         usage_error(PROG, str(e))
     try:
-        dht = start_dht(swarm, record_validators=[run_validator(run_id) for run_id in cfg.monitor_run_ids])
+        validators = [run_validator(run_id) for run_id in cfg.monitor_run_ids]
+        if cfg.relay_check_starts:
+            dht, _ = start_relay_dht(swarm, validators, attempts=cfg.relay_check_starts)
+        else:
+            dht = start_dht(swarm, record_validators=validators)
     except SwarmStartError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
@@ -97,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         addrs = [a for a in visible_maddrs(dht) if "/p2p-circuit" not in a]
-        print(f"bootstrap node {dht.peer_id} is up. Volunteers join with:", flush=True)
+        print(f"bootstrap node {dht.peer_id} is up. {READY_LINE}", flush=True)
         print(f"  run_peer --initial-peers {' '.join(addrs)}", flush=True)
         if cfg.metrics_port:
             _serve_swarm_metrics(cfg, dht)

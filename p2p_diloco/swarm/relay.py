@@ -19,9 +19,10 @@ defaults this never happened within a round, for three reasons found in a home-n
    libp2p's defaults (128 KiB, 2 minutes) answers, and every all-reduce stream through it was reset. A host
    that relays for others (``relay_service``: the bootstrap nodes) has a public address by definition, so we
    force its reachability to public.
-   Known gap: the daemon registers that default relay too, on the same protocol, and which of the two answers
-   is a race inside the daemon. In 3 of 10 relayed test swarms the default one won and every relayed stream
-   was reset (BENCHMARKS.md, "Behind home routers"); no daemon flag reaches it.
+   The daemon registers that default relay too, on the same protocol, and which of the two answers is a race
+   at the daemon's start (in 3 of 10 relayed test swarms the default one won and every relayed stream was
+   reset); no daemon flag reaches it, so a relay host checks its relay at start and restarts its daemon
+   until the configured one answers (``swarm.relay_check``).
 4. (Testbeds only.) A relay on a private address (10.0.0.0/8 ...) is never announced; real bootstrap nodes
    have public addresses.
 

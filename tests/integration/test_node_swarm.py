@@ -51,7 +51,7 @@ def test_node_of_two_ranks_averages_with_a_peer_dies_cleanly_and_resumes(tmp_pat
                              "--min-local-steps", "5", "--eval-every", "0", "--log-file", str(tmp_path / "solo.jsonl")],
                             stdout=open(tmp_path / "solo.out", "w"), stderr=subprocess.STDOUT,
                             env=env(P2P_DILOCO_FAULTS="slow_steps@1=3"))
-    maddr = wait_for_maddr(tmp_path / "solo.out", solo)
+    maddr = wait_for_maddr(tmp_path / "solo.out", solo, ready=None)
     node = _start_node(tmp_path, maddr, "--max-rounds", "50")
     try:
         wait_for(lambda: len(_together(tmp_path)) >= 3, 90, "3 rounds of the node with the single peer\n"

@@ -1,0 +1,63 @@
+"""The relay host's check at start (``swarm.relay_check``): it tells the configured relay from libp2p's default
+one by sending a relayed stream past the default's 128 KiB limit, and a relay host restarts its daemon until
+the configured one answers. Real p2p daemons on loopback; the peer behind NAT has no address of its own, so
+the only way to it is the circuit."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
+from p2p_diloco.swarm.relay_check import (
+    PAYLOAD_BYTES,
+    RelayVerdict,
+    check_relay,
+    local_dial_address,
+    start_relay_dht,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_a_host_that_is_not_public_relays_only_with_the_default_limits_and_the_check_says_so() -> None:
+    # use_relay without relay_service: the daemon never counts itself public, so only libp2p's default relay
+    # (128 KiB per connection) exists. This is the failure the check exists to catch.
+    dht = start_dht(SwarmConfig.for_loopback(use_relay=True))
+    try:
+        check = check_relay(local_dial_address(visible_maddrs(dht)), timeout_s=20)
+    finally:
+        dht.shutdown()
+    assert check.verdict is RelayVerdict.RESET, check
+    assert check.received < PAYLOAD_BYTES, check
+
+
+def test_a_relay_host_starts_until_its_relay_carries_a_stream_past_the_default_limit(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="p2p_diloco.swarm.relay_check")
+    cfg = SwarmConfig.for_loopback(use_relay=True, relay_service=True)
+    dht, check = start_relay_dht(cfg, attempts=12)
+    try:
+        assert check is not None and check.verdict is RelayVerdict.PASSED, (check, caplog.text)
+        assert check.received >= PAYLOAD_BYTES
+        # the relay that passed still passes: the winner of the daemon's race is fixed for its lifetime
+        again = check_relay(local_dial_address(visible_maddrs(dht)), timeout_s=20)
+        assert again.verdict is RelayVerdict.PASSED, again
+    finally:
+        dht.shutdown()
+    assert "Relay check passed after" in caplog.text
+
+
+def test_a_host_that_does_not_relay_is_not_checked() -> None:
+    dht, check = start_relay_dht(SwarmConfig.for_loopback())
+    try:
+        assert check is None
+    finally:
+        dht.shutdown()
+
+
+def test_the_check_dials_the_relay_on_loopback_when_it_listens_there() -> None:
+    ours = "/p2p/QmRelay"
+    assert local_dial_address([f"/ip4/10.0.0.2/tcp/5{ours}", f"/ip4/127.0.0.1/tcp/5{ours}"]) == f"/ip4/127.0.0.1/tcp/5{ours}"
+    assert local_dial_address([f"/ip4/10.0.0.2/tcp/5{ours}/p2p-circuit"]) is None
+    assert local_dial_address([f"/ip4/11.77.0.2/udp/5/quic{ours}", f"/ip4/11.77.0.2/tcp/5{ours}"]) == f"/ip4/11.77.0.2/tcp/5{ours}"
