@@ -163,7 +163,8 @@ def start_relay_dht(
     """``start_dht`` for a host that relays (``cfg.relay_service``), with the relay checked at start.
 
     While the check finds libp2p's default relay answering (:attr:`RelayVerdict.RESET`), the DHT is shut
-    down and started again with the same identity and addresses, at most ``attempts`` times in all (each
+    down and started again with the same identity file and addresses (so the same join address when
+    ``cfg.identity_path`` and a fixed port are given, as ``run_bootstrap`` requires), at most ``attempts`` times in all (each
     fresh daemon is an independent draw; measured on loopback, about half of them need a restart). The last
     check is returned; ``None`` when ``cfg`` does not relay. Raises ``SwarmStartError`` as ``start_dht`` does.
     """

@@ -61,3 +61,37 @@ def test_the_check_dials_the_relay_on_loopback_when_it_listens_there() -> None:
     assert local_dial_address([f"/ip4/10.0.0.2/tcp/5{ours}", f"/ip4/127.0.0.1/tcp/5{ours}"]) == f"/ip4/127.0.0.1/tcp/5{ours}"
     assert local_dial_address([f"/ip4/10.0.0.2/tcp/5{ours}/p2p-circuit"]) is None
     assert local_dial_address([f"/ip4/11.77.0.2/udp/5/quic{ours}", f"/ip4/11.77.0.2/tcp/5{ours}"]) == f"/ip4/11.77.0.2/tcp/5{ours}"
+
+
+def test_a_restart_keeps_the_identity_and_the_fixed_port(monkeypatch, tmp_path) -> None:
+    """The restart loop: the first check finds the default relay (forced here), the node restarts its daemon on
+    the same port with the same identity, so the join address printed afterwards is the one operators
+    published."""
+    import socket
+
+    from p2p_diloco.swarm import relay_check
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    real, verdicts = relay_check.check_relay, []
+
+    def first_resets(maddr: str, timeout_s: float = 20.0) -> relay_check.RelayCheck:
+        check = real(maddr, timeout_s)
+        if not verdicts:
+            check = relay_check.RelayCheck(RelayVerdict.RESET, 0, "forced by the test", 0.0)
+        verdicts.append((maddr, check.verdict))
+        return check
+
+    monkeypatch.setattr(relay_check, "check_relay", first_resets)
+    cfg = SwarmConfig.for_loopback(use_relay=True, relay_service=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
+                                   identity_path=str(tmp_path / "relay.key"))
+    dht, check = start_relay_dht(cfg, attempts=12)
+    try:
+        assert len(verdicts) >= 2 and verdicts[0][1] is RelayVerdict.RESET, verdicts
+        assert check is not None and check.verdict is RelayVerdict.PASSED, (check, verdicts)
+        # same port and same peer id on every start
+        assert len({maddr for maddr, _ in verdicts}) == 1, verdicts
+        assert verdicts[0][0].startswith(f"/ip4/127.0.0.1/tcp/{port}/p2p/{dht.peer_id}"), verdicts
+    finally:
+        dht.shutdown()
