@@ -44,7 +44,6 @@ import torch
 from p2p_diloco.core.delayed import StalenessPolicy
 from p2p_diloco.core.dylu import DyLU, late_start_steps
 from p2p_diloco.core.evidence import Evidence
-from p2p_diloco.core.hivemind_codecs import wire_compression
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import RoundDriver
 from p2p_diloco.core.rounds import STALL_HINTS, Outcome, RoundPolicy, RoundReport, Stall
@@ -58,6 +57,7 @@ from p2p_diloco.shared_memory import check_room, share_before_fork
 from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
+from p2p_diloco.swarm.hivemind_codecs import wire_compression
 from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import torch
 
 from p2p_diloco.build import build_local
 from p2p_diloco.config import TrainConfig
-from p2p_diloco.core.delayed import StalenessPolicy
+from p2p_diloco.core.delayed import StalenessPolicy, fold_scales, group_stats
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected, RoundDriver
 from p2p_diloco.core.rounds import Observation, Outcome, RoundPolicy, RoundReport, RoundResult
@@ -93,22 +93,23 @@ class SimGroup:
                                              epoch, **base)
                 continue
             self.sizes.append(len(members))
-            # The swarm's formulas (swarm.group.GroupPlan.local_scales): the fresh mean over the fresh weight
-            # W_f, the late work's term over D = max(W_f, late total).
-            fresh_total = sum(m[2] for m in members)
-            late_total = sum(m[6] for m in members if m[5] is not None)
+            # The swarm's fold scales (core.delayed.fold_scales, as swarm.group.GroupPlan.local_scales): each
+            # member pre-scales its fresh and late work, and the all-reduce takes the plain mean over members.
+            stats = group_stats([m[2] for m in members], [m[6] if m[5] is not None else 0.0 for m in members],
+                                [m[3] if m[5] is not None else 0 for m in members], list(ids))
+            scales = [fold_scales(m[2], m[6] if m[5] is not None else 0.0, stats) for m in members]
+            n = len(members)
             fresh = [torch.zeros_like(t, dtype=torch.float32) for t in members[0][1]]
-            for m in members:
+            for m, (a, _) in zip(members, scales, strict=True):
                 for out, d in zip(fresh, m[1], strict=True):
-                    out.add_(d.float(), alpha=m[2] / fresh_total)
+                    out.add_(d.float(), alpha=a / n)
             stale = None
-            if late_total > 0:
-                denominator = max(fresh_total, late_total)
+            if stats.has_stale:
                 stale = [torch.zeros_like(t) for t in fresh]
-                for m in members:
+                for m, (_, b) in zip(members, scales, strict=True):
                     if m[5] is not None:
                         for out, e in zip(stale, m[5], strict=True):
-                            out.add_(e.float(), alpha=m[6] / denominator)
+                            out.add_(e.float(), alpha=b / n)
             for i in indices:
                 results[i] = RoundResult(Outcome.AVERAGED, "", epoch, with_stale=stale is not None,
                                          fresh_mean=[t.clone() for t in fresh],
