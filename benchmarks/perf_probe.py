@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco.core.hivemind_codecs import wire_compression
 from p2p_diloco.swarm import RoundAverager, SwarmConfig, start_dht
+from p2p_diloco.swarm.hivemind_codecs import wire_compression
 
 FINGERPRINT = "feedc0de12345678"
 

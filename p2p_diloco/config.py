@@ -12,8 +12,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-CODECS = ("none", "fp16", "int8", "4bit", "topk", "topk-sign")
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+from p2p_diloco.core.codecs import CODEC_NAMES, CodecName
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+"""The one run-id rule, for every place that names or reads a run (this config, ``SwarmConfig``, the group
+metadata a peer receives, the bootstrap's monitored runs): 1-64 letters, digits, '_' or '-', starting with a
+letter or digit (so that a run id never reads as a flag). Match with :func:`is_run_id` (a full match)."""
+RUN_ID_RULE = "1-64 letters, digits, '_' or '-', starting with a letter or digit"
+""":data:`RUN_ID_PATTERN` in words, for error messages."""
+
+
+def is_run_id(value: object) -> bool:
+    """Whether ``value`` is a valid run id (:data:`RUN_ID_PATTERN`, matched whole: no trailing newline)."""
+    return isinstance(value, str) and RUN_ID_PATTERN.fullmatch(value) is not None
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -219,7 +230,7 @@ class OuterConfig:
     min_local_steps: int = 5
     """Floor on a slow peer's DyLU step count, so that its contribution is worth the round trip."""
 
-    compression: Literal["none", "fp16", "int8", "4bit", "topk", "topk-sign"] = "none"
+    compression: CodecName = "none"
     """Codec for pseudo-gradients on the wire: fp16 halves the bytes, int8 quarters them, 4bit sends about
     1/8 of fp32 (per-block scales). 'topk' sends the ``topk_k`` largest of every ``topk_chunk_size`` values at
     2 bits each with 12-bit positions: a sender's parts are 1/140 of fp32 at 64 of 4096; 'topk-sign' sends
@@ -277,8 +288,8 @@ class OuterConfig:
             raise ValueError(
                 f"min_local_steps: must be in [1, local_steps={self.local_steps}], got {self.min_local_steps}"
             )
-        if self.compression not in CODECS:
-            raise ValueError(f"compression: must be one of {', '.join(CODECS)}, got {self.compression!r}")
+        if self.compression not in CODEC_NAMES:
+            raise ValueError(f"compression: must be one of {', '.join(CODEC_NAMES)}, got {self.compression!r}")
         if not (16 <= self.topk_chunk_size <= 32768 and self.topk_chunk_size & (self.topk_chunk_size - 1) == 0):
             raise ValueError(f"topk_chunk_size: must be a power of two in [16, 32768], got {self.topk_chunk_size}")
         if not 1 <= self.topk_k <= self.topk_chunk_size:
@@ -339,11 +350,8 @@ class RunConfig:
     (no held-out split is read), e.g. for a local dataset too small to hold one sequence out."""
 
     def __post_init__(self) -> None:
-        if not _RUN_ID.match(self.run_id):
-            raise ValueError(
-                f"run_id: use 1-64 letters, digits, '_' or '-' starting with a letter or digit, "
-                f"got {self.run_id!r}"
-            )
+        if not is_run_id(self.run_id):
+            raise ValueError(f"run_id: use {RUN_ID_RULE}, got {self.run_id!r}")
         if self.max_rounds < 0:
             raise ValueError(f"max_rounds: must be >= 0, got {self.max_rounds}")
         if not 1 <= self.checkpoint_every <= 1_000_000:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
-from p2p_diloco.config import _RUN_ID
+from p2p_diloco.config import RUN_ID_RULE, is_run_id
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.records import run_validator
@@ -77,9 +77,9 @@ class BootstrapConfig:
             raise ValueError(f"relay_check_starts: must be in [0, 100], got {self.relay_check_starts}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [1, 65535], got {self.metrics_port}")
-        bad = [r for r in self.monitor_run_ids if not _RUN_ID.match(r)]
+        bad = [r for r in self.monitor_run_ids if not is_run_id(r)]
         if bad or not self.monitor_run_ids:
-            raise ValueError(f"monitor_run_ids: give run ids of letters, digits, '_' and '-' (got {bad or 'none'})")
+            raise ValueError(f"monitor_run_ids: give run ids of {RUN_ID_RULE} (got {bad or 'none'})")
         if not 0.5 <= self.monitor_interval_s <= 3600:
             raise ValueError(f"monitor_interval_s: must be in [0.5, 3600], got {self.monitor_interval_s}")
 

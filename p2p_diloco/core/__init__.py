@@ -1,8 +1,8 @@
 """The network-free algorithm core: outer optimizer, delayed updates, DyLU, eager step, codecs.
 
-Nothing here touches the network; everything except :mod:`p2p_diloco.core.hivemind_codecs`
-(the adapter to hivemind's compression interface) imports without hivemind, so the simulator
-and the swarm run the very same update rules.
+Nothing here touches the network or imports hivemind (the adapter that puts the codecs on hivemind's
+wire is :mod:`p2p_diloco.swarm.hivemind_codecs`), so the simulator and the swarm run the very same
+update rules.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from p2p_diloco.core.delayed import (
     apply_round,
     contribution_scales,
     delayed_outer_step,
+    fold_scales,
+    group_stats,
     summarize_round,
 )
 from p2p_diloco.core.dylu import DyLU
@@ -50,6 +52,8 @@ __all__ = [
     "apply_round",
     "build_outer_optimizer",
     "contribution_scales",
+    "fold_scales",
+    "group_stats",
     "delayed_outer_step",
     "fedavg_outer_optimizer",
     "get_codec",

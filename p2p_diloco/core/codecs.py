@@ -55,16 +55,18 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Hashable
+from typing import Literal, get_args
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from p2p_diloco.core.codec_base import Codec, _flat_fp32
-from p2p_diloco.core.sparse import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, TopKCodec
+from p2p_diloco.core.sparse import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, SPARSE_CODEC_NAMES, TopKCodec
 
 __all__ = [
     "CODEC_NAMES",
+    "CodecName",
     "DEFAULT_BLOCK_SIZE",
     "Codec",
     "E3M0Codec",
@@ -80,8 +82,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 128
 MAX_BLOCK_SIZE = 1 << 16
-CODEC_NAMES: tuple[str, ...] = ("none", "fp16", "int8", "4bit", "topk", "topk-sign")
-"""Every codec a sender may choose; ``topk`` and ``topk-sign`` are the sparse ones (``core.sparse``)."""
+CodecName = Literal["none", "fp16", "int8", "4bit", "topk", "topk-sign"]
+"""The one list of codec names: ``OuterConfig.compression`` is typed by it (so the CLI offers these), and
+:data:`CODEC_NAMES` is read from it. ``topk`` and ``topk-sign`` are the sparse ones
+(``core.sparse.SPARSE_CODEC_NAMES``); the others are ``_CODECS``' keys (a unit test checks both)."""
+CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
+"""Every codec a sender may choose, in :data:`CodecName`'s order."""
 
 class Float32Codec(Codec):
     """``none``: raw fp32, lossless."""
@@ -272,7 +278,7 @@ def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_size: in
               k: int | None = None) -> Codec:
     """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit,
     ``chunk_size`` and ``k`` to the sparse codecs (default 64 of 4096, see ``core.sparse``)."""
-    if name in ("topk", "topk-sign"):
+    if name in SPARSE_CODEC_NAMES:
         return TopKCodec(DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                          DEFAULT_TOPK if k is None else k, signs_only=name == "topk-sign")
     try:

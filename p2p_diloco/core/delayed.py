@@ -93,6 +93,8 @@ __all__ = [
     "apply_round",
     "contribution_scales",
     "delayed_outer_step",
+    "fold_scales",
+    "group_stats",
     "summarize_round",
 ]
 
@@ -243,18 +245,69 @@ def contribution_scales(
     """Factors ``(a, b)`` a peer multiplies its own Δ by before the "fresh" and "stale" all-reduces.
 
     With these factors, the plain mean over the ``stats.group_size`` pre-scaled tensors equals
-    :func:`aggregate_round`'s fresh mean (resp. stale term); see the module docstring.
+    :func:`aggregate_round`'s fresh mean (resp. stale term); see the module docstring. This is the
+    one-contribution-per-member form; :func:`fold_scales` is the same formula for a member that sends
+    fresh and late work in one round (the swarm's all-reduce and the simulator's group).
     """
     policy = policy or StalenessPolicy()
     _check_weight(weight)
-    group_size = stats.group_size
     if staleness == 0:
-        fresh = group_size * weight / stats.fresh_weight_total if stats.has_fresh else 0.0
-        return fresh, 0.0
-    factor = policy.factor(staleness)
-    if factor == 0.0 or not stats.has_stale:
-        return 0.0, 0.0
-    return 0.0, group_size * factor * weight / stats.denominator
+        return fold_scales(weight, 0.0, stats)
+    return fold_scales(0.0, policy.factor(staleness) * weight, stats)
+
+
+def fold_scales(fresh_weight: float, late_weight: float, stats: RoundStats) -> tuple[float, float]:
+    """The fold scales: ``(G·w/W_f, G·λw/D)`` for a member's fresh work of weight ``fresh_weight`` and late
+    work of decayed weight ``late_weight`` (``λ(s)·w``; 0 where it sends none), ``G = stats.group_size``.
+
+    The one place the formula lives: :func:`contribution_scales` (core), the swarm's group plan
+    (``swarm.group.GroupPlan.local_scales``) and the simulator's group (``simulate.swarm_mode.SimGroup``)
+    all call it, so a change to how late work is weighed reaches all three at once.
+    """
+    _check_weight(fresh_weight)
+    _check_weight(late_weight)
+    group_size = stats.group_size
+    fresh = group_size * fresh_weight / stats.fresh_weight_total if fresh_weight > 0 and stats.has_fresh else 0.0
+    stale = group_size * late_weight / stats.denominator if late_weight > 0 and stats.has_stale else 0.0
+    return fresh, stale
+
+
+def group_stats(
+    fresh_weights: Sequence[float],
+    late_weights: Sequence[float],
+    stalenesses: Sequence[int] | None = None,
+    peer_ids: Sequence[str | None] | None = None,
+) -> RoundStats:
+    """Totals of an all-reduce group in which member ``p`` sends fresh work of weight ``fresh_weights[p]``
+    and late work of decayed weight ``late_weights[p]`` (``λ(s)·w`` as :meth:`StalenessPolicy.factor`
+    gives it; 0 for "none" in either list), both in the same round: ``W_f`` is the fresh total and
+    ``D = max(W_f, late total)``, over the group's ``len(fresh_weights)`` members (the all-reduce's mean
+    is over members, not contributions). ``stalenesses`` (each member's late work's, 0 without late work)
+    are kept for reports. Inputs are checked like :func:`summarize_round`'s.
+    """
+    if len(fresh_weights) != len(late_weights):
+        raise ValueError(f"{len(fresh_weights)} fresh weights but {len(late_weights)} late weights")
+    ages = [0] * len(fresh_weights) if stalenesses is None else [int(s) for s in stalenesses]
+    if len(ages) != len(fresh_weights):
+        raise ValueError(f"{len(fresh_weights)} members but {len(ages)} stalenesses")
+    for age in ages:
+        _check_staleness(age)
+    for w in (*fresh_weights, *late_weights):
+        _check_weight(w)
+    fresh_total = math.fsum(w for w in fresh_weights if w > 0)
+    late_total = math.fsum(w for w in late_weights if w > 0)
+    ids = list(peer_ids) if peer_ids is not None else [None] * len(fresh_weights)
+    return RoundStats(
+        n_fresh=sum(1 for w in fresh_weights if w > 0),
+        n_stale=sum(1 for w in late_weights if w > 0),
+        n_dropped=0,
+        stalenesses=ages,
+        weights=[float(w) for w in fresh_weights],
+        peer_ids=ids,
+        fresh_weight_total=fresh_total,
+        late_weight_total=late_total,
+        denominator=max(fresh_total, late_total),
+    )
 
 
 @torch.no_grad()

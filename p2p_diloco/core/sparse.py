@@ -13,7 +13,7 @@ reply          the reducer's aggregate of up to ``N·k`` entries per chunk:   1/
 =============  ===========================================================  ==========================
 
 The byte counts are exact, every count, level, index and padding bit included (the wire adapter adds its
-8-byte header per part, ``hivemind_codecs.HEADER_NBYTES``). Always combine the sender codecs with error
+8-byte header per part, ``swarm.hivemind_codecs.HEADER_NBYTES``). Always combine the sender codecs with error
 feedback (:class:`p2p_diloco.core.codecs.ErrorFeedback`): 98.4% of each round's values are not sent, and
 only the residual carries them into later rounds.
 

@@ -44,13 +44,14 @@ import torch
 from p2p_diloco.core.delayed import StalenessPolicy
 from p2p_diloco.core.dylu import DyLU, late_start_steps
 from p2p_diloco.core.evidence import Evidence
-from p2p_diloco.core.hivemind_codecs import wire_compression
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import RoundDriver
 from p2p_diloco.core.rounds import STALL_HINTS, Outcome, RoundPolicy, RoundReport, Stall
 from p2p_diloco.data.loader import DataPosition
 from p2p_diloco.inner_stats import InnerStats
+from p2p_diloco.peer.admission import refuse_other_models, warn_other_versions
 from p2p_diloco.peer.config import PeerConfig
+from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
@@ -58,7 +59,7 @@ from p2p_diloco.shared_memory import check_room, share_before_fork
 from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
-from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
+from p2p_diloco.swarm.hivemind_codecs import wire_compression
 
 logger = logging.getLogger(__name__)
 
@@ -134,14 +135,14 @@ class SwarmSession:
 
     def params_sha256(self) -> str:
         """The sha256 of the anchors (what peers compare in the checksum vote)."""
-        return self.port.anchors_sha()
+        return self.port.serving.anchors_sha()
 
     @property
     def served_downloads(self) -> int:
         return self.swarm.served
 
     def add_listener(self, listener: SessionListener) -> None:
-        self.port.listeners.append(listener)
+        self.port.view.listeners.append(listener)
 
     def bind_data(self, stream: DataStream) -> None:
         """The training data stream, whose position :meth:`state_dict` saves."""
@@ -161,11 +162,11 @@ class SwarmSession:
         The state dict is taken now; the anchors do not change until the next outer step or state download,
         and those wait for ``write`` to finish first, so what it writes is one consistent state. A previous
         write still running is waited for first. ``write`` must not raise (log instead)."""
-        self.port.wait_writer()
+        self.port.serving.wait_writer()
         state = self.state_dict(copy=False)
         thread = threading.Thread(target=write, args=(state,), name="checkpoint-writer", daemon=True)
         thread.start()
-        self.port.writer = thread
+        self.port.serving.writer = thread
         return thread
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -190,15 +191,21 @@ class SwarmSession:
         self._share_before_fork()
         self.swarm.start()
         self.driver.peer_id = self.peer_id
-        self.port.start()
+        self.port.view.start()
+        if self.port.eager:
+            self.port.overlap = EagerOverlap(self.swarm, self.swarm.peer_id)
         how = f"resumed at epoch {self.epoch}" if self._resumed else "fresh"
-        self._refuse_other_models()
-        self._warn_other_versions()
-        self.port.serve(checksum=False)
+        refuse_other_models(self.swarm, self.port.evidence, self.fingerprint, self.cfg.swarm.run_id)
+        warn_other_versions(self.swarm, self.cfg.swarm.run_id)
+        self.port.serving.serve(checksum=False)
         self._publish_progress()
         swarm_epoch = self.port.swarm_epoch()
         if swarm_epoch is not None and swarm_epoch > self.epoch:
-            how = self._join(swarm_epoch) or how
+            # Download the swarm's state (``core.sync.Catchup.join``: retried while a donor may appear).
+            self.port.view.notify("status", "syncing", swarm_epoch)
+            if self.port.catchup.join(swarm_epoch) is not None:
+                self.driver.new_state()
+                how = f"joined at epoch {self.epoch}"
         return how
 
     def _share_before_fork(self) -> None:
@@ -214,66 +221,10 @@ class SwarmSession:
             raise SwarmStartError(problem)
         share_before_fork(host)
 
-    def _warn_other_versions(self) -> None:
-        """One clear line when peers of this run run another release (``swarm.protocol``): they and this peer
-        cannot see each other, so each side averages among its own, and nobody is banned for it. Looked up in
-        the background: lookups of keys nobody wrote take a while, and the start must not wait for them."""
-        def look() -> None:
-            others = self.swarm.other_versions()
-            if others:
-                found = ", ".join(f"{n} under protocol version {v}" for v, n in sorted(others.items()))
-                logger.warning("Peers of run %r run another release of p2p_diloco (%s; this one speaks version "
-                               "%d): they are neither averaged with nor banned. Run one release across the swarm "
-                               "(`run_peer doctor` shows it).", self.cfg.swarm.run_id, found, PROTOCOL_VERSION)
-
-        threading.Thread(target=look, name="protocol-versions", daemon=True).start()
-
-    def _refuse_other_models(self) -> None:
-        """Stop with a clear message when this run's peers all train another model than ours, on evidence.
-
-        Averaging could not mix them anyway (the fingerprint is part of the matchmaking key), but a peer
-        that silently trains alone is the worst outcome for a volunteer. A progress record is a free claim,
-        though: one record of another fingerprint from a throwaway id would keep every joiner out. So the
-        peer stops only when a ``--trusted-peers`` peer trains the other model; otherwise it warns (naming
-        the fix for a misconfiguration) and starts.
-        """
-        others = [r for r in self.swarm.all_records() if r.peer_id != self.peer_id]
-        if not others or any(r.fingerprint == self.fingerprint for r in others):
-            return
-        theirs = sorted({r.fingerprint for r in others})
-        message = (f"the {len(others)} peer(s) of run {self.cfg.swarm.run_id!r} train a model with fingerprint "
-                   f"{', '.join(theirs)}, ours is {self.fingerprint}. Use the run's --model, --seq-len and "
-                   "--tokenizer, or another --run-id to start a separate run")
-        if any(self.port.evidence.trusts(r.peer_id) for r in others):
-            raise SwarmStartError(f"refused: {message}")
-        logger.warning("Starting anyway, as no trusted peer is among them (records are free to forge): %s",
-                       message)
-
-    def _join(self, swarm_epoch: int) -> str | None:
-        """Download the swarm's state; wait up to state_download_timeout_s for a donor to appear. Each
-        failed try makes untrusted claims of that epoch unbacked (``core.evidence``), so a claim nobody
-        serves gives way to the next one believed."""
-        self.port.notify("status", "syncing", swarm_epoch)
-        deadline = time.monotonic() + self.cfg.swarm.state_download_timeout_s
-        while time.monotonic() < deadline:
-            if self.port.resync(swarm_epoch, timeout=max(1.0, deadline - time.monotonic())):
-                self.driver.new_state()
-                return f"joined at epoch {self.epoch}"
-            believed = self.port.swarm_epoch()
-            if believed is None or believed <= self.epoch:
-                logger.info("No peer served an acceptable state of epoch %d, and no other claim is believed: "
-                            "training from our own state at epoch %d", swarm_epoch, self.epoch)
-                return None
-            if believed == swarm_epoch:  # still believed (a trusted donor busy, or none yet): wait a little
-                logger.info("No peer shares an acceptable state of epoch %d yet; retrying", swarm_epoch)
-                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-            swarm_epoch = believed
-        logger.warning("No peer shared its state within %.0f s; training from our own state at epoch %d",
-                       self.cfg.swarm.state_download_timeout_s, self.epoch)
-        return None
-
     def close(self) -> None:
-        self.port.close(timeout=self.cfg.swarm.shutdown_timeout_s)
+        if self.port.overlap is not None:
+            self.port.overlap.close(timeout=self.cfg.swarm.shutdown_timeout_s)
+        self.port.serving.wait_writer()
         self.swarm.close()
 
     def visible_maddrs(self) -> list[str]:
@@ -287,10 +238,10 @@ class SwarmSession:
         Only trusted peers' speeds count (``core.evidence``: peers this one averaged with, or
         ``--trusted-peers``): a published speed is a free claim, and one record claiming 10^12 steps/s
         would otherwise cut every honest peer down to ``min_local_steps``."""
-        for peer, steps_per_s in self.port.trusted_speeds():
+        for peer, steps_per_s in self.port.view.trusted_speeds():
             self.dylu.observe(peer, steps_per_s)
         steps = self.dylu.local_steps(self.my_speed)
-        late_s, self.port.late_start_s = self.port.late_start_s, 0.0
+        late_s, self.port.sync.late_start_s = self.port.sync.late_start_s, 0.0
         self.planned_steps = steps
         if late_s > 0:
             speed = self.my_speed or self.dylu.fastest(None)
@@ -306,12 +257,12 @@ class SwarmSession:
         self.driver.begin()
         self.faults.set_epoch(self.epoch)
         self._phase_began = time.monotonic()
-        self.port.notify("status", "training", self.epoch)
+        self.port.view.notify("status", "training", self.epoch)
 
     def on_inner_step(self, step: int, loss: float) -> None:
         """Pass to ``InnerTrainer.train_steps``: keeps this peer's progress record fresh in the DHT."""
         self.inner_step += 1
-        self.port.notify("inner_step", step, self.planned_steps, loss, self.epoch)
+        self.port.view.notify("inner_step", step, self.planned_steps, loss, self.epoch)
         self.faults.after_inner_step()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self._publish_progress()
@@ -326,17 +277,17 @@ class SwarmSession:
             self._last_rates = (stats.steps_per_second, stats.samples / stats.seconds, stats.tokens_per_second)
         report = RoundReport(epoch=self.epoch, inner_steps=stats.steps, inner_seconds=stats.seconds,
                              train_loss=stats.mean_loss)
-        began, self.port.network_s = time.monotonic(), 0.0
+        began, self.port.view.network_s = time.monotonic(), 0.0
         self.driver.end(float(stats.samples), report, stats.seconds)
         if report.outcome is Outcome.SKIPPED:
             report.stall = self.swarm.diagnose_stall(self.epoch)
             if report.stall is not Stall.NONE:
                 report.reason = f"{report.reason}; {STALL_HINTS[report.stall]}"
         report.params_sha256 = self.params_sha256()
-        report.overhead_seconds = max(0.0, time.monotonic() - began - self.port.network_s)
+        report.overhead_seconds = max(0.0, time.monotonic() - began - self.port.view.network_s)
         self._publish_progress()
         report.rejected_records, report.record_bans = self.swarm.take_record_report()
-        self.port.notify("round", report, stats)
+        self.port.view.notify("round", report, stats)
         return report
 
     def _publish_progress(self) -> None:

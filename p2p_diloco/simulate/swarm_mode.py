@@ -24,10 +24,12 @@ import torch
 
 from p2p_diloco.build import build_local
 from p2p_diloco.config import TrainConfig
-from p2p_diloco.core.delayed import StalenessPolicy
+from p2p_diloco.core.delayed import StalenessPolicy, fold_scales, group_stats
+from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected, RoundDriver
 from p2p_diloco.core.rounds import Observation, Outcome, RoundPolicy, RoundReport, RoundResult
+from p2p_diloco.core.sync import Catchup, Digest, SyncPolicy
 from p2p_diloco.simulate.engine import RoundRecord, SimConfig, SimResult, allreduce_bytes, allreduce_seconds
 from p2p_diloco.simulate.faults import FaultSchedule
 
@@ -93,22 +95,23 @@ class SimGroup:
                                              epoch, **base)
                 continue
             self.sizes.append(len(members))
-            # The swarm's formulas (swarm.group.GroupPlan.local_scales): the fresh mean over the fresh weight
-            # W_f, the late work's term over D = max(W_f, late total).
-            fresh_total = sum(m[2] for m in members)
-            late_total = sum(m[6] for m in members if m[5] is not None)
+            # The swarm's fold scales (core.delayed.fold_scales, as swarm.group.GroupPlan.local_scales): each
+            # member pre-scales its fresh and late work, and the all-reduce takes the plain mean over members.
+            stats = group_stats([m[2] for m in members], [m[6] if m[5] is not None else 0.0 for m in members],
+                                [m[3] if m[5] is not None else 0 for m in members], list(ids))
+            scales = [fold_scales(m[2], m[6] if m[5] is not None else 0.0, stats) for m in members]
+            n = len(members)
             fresh = [torch.zeros_like(t, dtype=torch.float32) for t in members[0][1]]
-            for m in members:
+            for m, (a, _) in zip(members, scales, strict=True):
                 for out, d in zip(fresh, m[1], strict=True):
-                    out.add_(d.float(), alpha=m[2] / fresh_total)
+                    out.add_(d.float(), alpha=a / n)
             stale = None
-            if late_total > 0:
-                denominator = max(fresh_total, late_total)
+            if stats.has_stale:
                 stale = [torch.zeros_like(t) for t in fresh]
-                for m in members:
+                for m, (_, b) in zip(members, scales, strict=True):
                     if m[5] is not None:
                         for out, e in zip(stale, m[5], strict=True):
-                            out.add_(e.float(), alpha=m[6] / denominator)
+                            out.add_(e.float(), alpha=b / n)
             for i in indices:
                 results[i] = RoundResult(Outcome.AVERAGED, "", epoch, with_stale=stale is not None,
                                          fresh_mean=[t.clone() for t in fresh],
@@ -129,6 +132,8 @@ class SimWorker:
                                 error_feedback_decay=cfg.outer.error_feedback_decay,
                                 chunk_size=cfg.outer.topk_chunk_size, k=cfg.outer.topk_k, device="cpu")
         self.port = SimPort(world, self)
+        # The swarm's catch-up (core.sync), on the simulator's port: no update is ever served, so it downloads.
+        self.catchup = Catchup(self.state, self.params, SyncPolicy(), SimSync(world, self), default_timeout_s=0.0)
         self.driver = RoundDriver(self.state, self.params, policy, self.port, data_id)
         self.outcomes: list[str | None] = []
 
@@ -163,6 +168,80 @@ class SwarmWorld:
             offers = sorted((-epoch, i) for i, (epoch, _) in self.published.items()
                             if i != exclude and i in self.present and epoch >= min_epoch)
             return self.published[offers[0][1]] if offers else None
+
+
+@dataclass
+class SimDownload:
+    """A published state as a simulated joiner downloads it (``core.sync.DownloadedState``)."""
+
+    params: list[torch.Tensor]
+    opt_tensors: list[torch.Tensor]
+    epoch: int
+    donor: str
+    state_sha256: str = ""
+    params_manifest: None = None
+    delivered: dict[str, int] | None = None
+
+
+class SimSync:
+    """The ``core.sync.SyncPort`` of one simulated worker: the swarm's catch-up, minus what needs a network.
+
+    A download is a copy of the newest published state (every worker is honest and every copy exact, so there is
+    nothing to verify, vote on or credit); no round update is served (the simulator's joiners take a state of
+    any epoch), so :class:`core.sync.Catchup` downloads where the swarm would apply a missed round, and loads
+    the state itself, as it does on the network."""
+
+    def __init__(self, world: SwarmWorld, worker: SimWorker) -> None:
+        self.world, self.worker = world, worker
+
+    def swarm_epoch(self) -> int | None:
+        return self.world.swarm_epoch()
+
+    def trusted(self) -> None:
+        return None
+
+    def syncing(self, min_epoch: int) -> None:
+        pass  # nothing is served from the simulator's anchors
+
+    def resume_serving(self) -> None:
+        pass
+
+    def serve(self, manifest: object) -> None:
+        self.world.publish(self.worker)
+
+    def base_digest(self) -> str:
+        return ""
+
+    def fetch_update(self, *args: object) -> None:
+        return None
+
+    def download(self, min_epoch: int, timeout: float, trusted: object, backed: dict[str, int]) -> SimDownload | None:
+        offer = self.world.donor(min_epoch, self.worker.index)
+        if offer is None:
+            return None
+        epoch, tensors = offer
+        n = len(self.worker.state.anchors)
+        momentum = [tensors[f"{MOMENTUM_KEY_PREFIX}{i}"].clone() for i in range(n)
+                    if f"{MOMENTUM_KEY_PREFIX}{i}" in tensors]
+        return SimDownload([tensors[f"param.{i}"].clone() for i in range(n)], momentum, epoch, "simulated donor")
+
+    def received(self, ok: bool) -> None:
+        pass
+
+    def digest(self, params: object, momentum: object) -> Digest:
+        raise AssertionError("the simulator serves no round updates: there is nothing to check")
+
+    def votes(self, epoch: int) -> dict[str, str]:
+        return {}
+
+    def credit(self, delivered: object, trusted: object) -> None:
+        return None
+
+    def unbacked(self, min_epoch: int, backed: dict[str, int]) -> dict[str, float]:
+        return {}
+
+    def started_late(self, epoch: int, floor_s: float) -> None:
+        pass
 
 
 class SimPort:
@@ -213,14 +292,7 @@ class SimPort:
         return result
 
     def resync(self, min_epoch: int) -> bool:
-        offer = self.world.donor(min_epoch, self.worker.index)
-        if offer is None:
-            return False
-        epoch, tensors = offer
-        self.worker.state.load_state_tensors({k: t.clone() for k, t in tensors.items()}, epoch)
-        self.worker.state.begin(self.worker.params)
-        self.world.publish(self.worker)
-        return True
+        return self.worker.catchup.run(min_epoch)
 
     def published(self, epoch: int, update: object = None) -> None:
         self.world.publish(self.worker)  # the simulator's joiners take a state of any epoch: no update served

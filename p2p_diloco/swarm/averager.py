@@ -32,7 +32,6 @@ from hivemind.utils import MPFuture, get_dht_time
 
 from p2p_diloco.core.bounds import l2_norm
 from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
-from p2p_diloco.core.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin
@@ -43,6 +42,7 @@ from p2p_diloco.swarm.group import (
     MemberInfo,
     encode_gather,
 )
+from p2p_diloco.swarm.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.protocol import averager_prefix
 from p2p_diloco.swarm.quorum import EarlyAssembly

@@ -19,7 +19,7 @@ The transfer is the state's (``swarm.chunk_transfer``): the update is asked for 
 applies to, its manifest checked against the digest the donor claims for it, its chunks fetched from every
 donor serving the same update, each checked on receipt, then every value (:func:`implausible`); an update
 with no terms is refused. Donors this peer trusts are asked first. The result is checked by the caller
-before it replaces anything (``peer.port.SwarmPort``, which applies the update to copies): its digest must
+before it replaces anything (``core.sync.Catchup``, which applies the update to copies): its digest must
 equal the one the donor claimed, and that digest must pass ``core.evidence.state_verdict`` for epoch
 ``e + 1``; otherwise the joiner downloads the state again. Whom it then vouches for is
 ``core.evidence.credited``'s: only a donor that delivered verified chunks, and none when trusted evidence

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +16,9 @@ from typing import Literal
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from p2p_diloco.config import RUN_ID_RULE, is_run_id
 from p2p_diloco.core.robust import AGGREGATIONS
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
 _MAX_ADDRESSES = 64
 
@@ -294,10 +293,8 @@ class SwarmConfig:
     steps and differ by a few x; 20 catches scaled attacks while leaving honest peers alone."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not RUN_ID_PATTERN.fullmatch(self.run_id):
-            raise ValueError(
-                f"run_id must be 1-64 characters of letters, digits, '_' or '-', got {self.run_id!r}"
-            )
+        if not is_run_id(self.run_id):
+            raise ValueError(f"run_id must be {RUN_ID_RULE}, got {self.run_id!r}")
         _check_addresses("initial_peers", self.initial_peers, require_peer_id=True)
         _check_addresses("host_maddrs", self.host_maddrs, require_peer_id=False)
         if not self.host_maddrs:

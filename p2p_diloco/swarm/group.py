@@ -29,8 +29,9 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
+from p2p_diloco.config import is_run_id
 from p2p_diloco.core.bounds import clip_claims
-from p2p_diloco.swarm.config import RUN_ID_PATTERN
+from p2p_diloco.core.delayed import RoundStats, fold_scales, group_stats
 
 GATHER_VERSION = 2
 MAX_WEIGHT = 1e12
@@ -130,7 +131,7 @@ class MemberInfo:
         if obj["v"] != GATHER_VERSION or isinstance(obj["v"], bool):
             raise ValueError(f"unsupported metadata version {obj['v']!r}")
         run_id, fingerprint = obj["run"], obj["fp"]
-        if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        if not is_run_id(run_id):
             raise ValueError("invalid run id")
         if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
             raise ValueError("invalid model fingerprint")
@@ -177,14 +178,13 @@ class GroupPlan:
     def local_scales(self, peer_id: PeerID) -> tuple[float, float]:
         """Factors by which ``peer_id`` multiplies its fresh and stale buffers before the plain mean."""
         info = self.members[self.peer_ids.index(peer_id)]
-        n = len(self.peer_ids)
-        fresh = n * info.weight / self.fresh_weight_total if info.has_fresh else 0.0
-        # The core's denominator D = max(W_f, late total) (core.delayed.summarize_round): late work counts
-        # as one more share of the fresh work, and never with a coefficient above its own weight.
-        late_total = sum(m.stale_weight for m in self.members if m.has_stale)
-        denominator = max(self.fresh_weight_total, late_total)
-        stale = n * info.stale_weight / denominator if info.has_stale and denominator > 0 else 0.0
-        return fresh, stale
+        return fold_scales(info.weight if info.has_fresh else 0.0, info.stale_weight if info.has_stale else 0.0,
+                           self.stats())
+
+    def stats(self) -> RoundStats:
+        """The group's totals (``W_f``, ``D``) as the core computes them (``core.delayed.group_stats``)."""
+        return group_stats(self.fresh_weights(), [m.stale_weight if m.has_stale else 0.0 for m in self.members],
+                           [m.staleness if m.has_stale else 0 for m in self.members])
 
     def fresh_weights(self) -> list[float]:
         """Each member's fresh weight, 0 for members without fresh work: the reducers' ``sender_weights``."""

@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
 import torch
 from hivemind.p2p import P2PContext, PeerID
@@ -60,10 +60,8 @@ from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap, ServeWai
 from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch, state_verdict
 from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, manifest_sha, tensor_manifest
 from p2p_diloco.swarm.chunk_transfer import INCOMPLETE, fetch_verified, state_chunk_map
+from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_checksums, fetch_progress, global_epoch
-
-if TYPE_CHECKING:
-    from p2p_diloco.swarm.averager import RoundAverager
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +71,26 @@ of chunk digests from which ``sha`` is computed."""
 _PIN_S = 2.0
 """A donor that served a chunk this recently counts as serving a download (see ``StateServer.withdraw``)."""
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+class ServingAverager(Protocol):
+    """What :class:`StateServer` and :func:`download_state` use of the averager (``swarm.averager``'s
+    ``RoundAverager``), named here so that this module does not import the averager that imports it."""
+
+    cfg: SwarmConfig
+    dht: Any
+    fingerprint: str
+    client_mode: bool
+    state_sharing_priority: float
+
+    def is_alive(self) -> bool: ...
+    def downloading(self) -> bool: ...
+    def manifests_served(self) -> int: ...
+    def bump_state_version(self) -> None: ...
+    def set_state_provider(self, provider: StateProvider | None) -> None: ...
+    def state_donors(self) -> list[tuple[str, float]]: ...
+    def fetch_manifests(self, peers: Sequence[str], *, timeout: float, max_bytes: int,
+                        base: str | None = None) -> dict[str, bytes | str]: ...
 
 
 @dataclass
@@ -206,7 +224,7 @@ class StateServer:
     before changing them, which waits for downloads in flight (bounded, see the module docstring).
     """
 
-    def __init__(self, averager: RoundAverager):
+    def __init__(self, averager: ServingAverager):
         self._averager = averager
         self._lock = threading.Lock()
         self._state: tuple[dict[str, Any], list[torch.Tensor]] | None = None
@@ -363,7 +381,7 @@ def nonfinite(tensors: Sequence[torch.Tensor]) -> str | None:
 
 
 def download_state(
-    averager: RoundAverager,
+    averager: ServingAverager,
     template_params: Sequence[torch.Tensor],
     template_opt: Sequence[torch.Tensor] = (),
     *,

@@ -103,7 +103,7 @@ params = [torch.nn.Parameter(torch.zeros(2_000_000)), torch.nn.Parameter(torch.z
 session = SwarmSession(cfg, params, "abcdef0123456789")  # nothing network starts before start()
 print("ready", flush=True)
 for epoch in range(1, 10_000):
-    session.port.wait_writer()          # what the next outer step does before it changes the anchors
+    session.port.serving.wait_writer()          # what the next outer step does before it changes the anchors
     for a in session.state.anchors:
         a.fill_(float(epoch))           # every value of a checkpoint names its epoch
     session.state.epoch = epoch

@@ -160,7 +160,7 @@ def test_peer_of_another_model_is_refused(tmp_path: Path) -> None:
         a = start_peer(tmp_path, "a", maddr, "--run-id", "t4", "--max-rounds", "20")
         wait_for(lambda: events(tmp_path, "a", "start"), 120, "a's start")
         # The refusal needs evidence: a record from a peer b trusts (an untrusted one only warns, see
-        # SwarmSession._refuse_other_models; any free identity could publish one).
+        # peer.admission.refuse_other_models; any free identity could publish one).
         trusted = tmp_path / "trusted.txt"
         trusted.write_text(events(tmp_path, "a", "start")[0]["peer_id"] + "\n")
         b = start_peer(tmp_path, "b", maddr, "--run-id", "t4", "--max-rounds", "1", "--model", "small",

@@ -39,8 +39,8 @@ def _run_peer(spec_path: str) -> None:
     """One peer: one averaging round per codec run, each with its own run id (groups never mix)."""
     import logging
 
-    from p2p_diloco.core.hivemind_codecs import wire_compression
     from p2p_diloco.swarm import RoundAverager, SwarmConfig, start_dht
+    from p2p_diloco.swarm.hivemind_codecs import wire_compression
 
     logging.basicConfig(level=logging.INFO)
     spec = json.loads(Path(spec_path).read_text())

@@ -23,8 +23,8 @@ from p2p_diloco.core.bounds import (
     rescale_bound,
 )
 from p2p_diloco.core.codecs import get_codec
-from p2p_diloco.core.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.core.robust import AGGREGATIONS, rescale_factor
+from p2p_diloco.swarm.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.swarm.reducer import RobustPartReducer
 from p2p_diloco.swarm.verify import AverageCheck
 

@@ -229,7 +229,7 @@ def test_the_reducer_refuses_hostile_sparse_parts_with_their_reason(payload, rea
     from hivemind.compression import serialization
     from hivemind.proto import runtime_pb2
 
-    from p2p_diloco.core.hivemind_codecs import HIVEMIND_SLOT, CodecCompression, install, uninstall
+    from p2p_diloco.swarm.hivemind_codecs import HIVEMIND_SLOT, CodecCompression, install, uninstall
     from p2p_diloco.swarm.runner import decode_part
 
     compression = CodecCompression("topk", chunk_size=16, k=4)

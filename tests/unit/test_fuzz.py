@@ -31,11 +31,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.core.codecs import get_codec
-from p2p_diloco.core.hivemind_codecs import CodecCompression
 from p2p_diloco.swarm.checksum import combine_state_sha, tensor_manifest
 from p2p_diloco.swarm.chunk_transfer import state_chunk_map
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.group import MemberInfo, decode_gather, encode_gather, plan_group
+from p2p_diloco.swarm.hivemind_codecs import CodecCompression
 from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 from p2p_diloco.swarm.records import (
     PeerProgress,

@@ -39,7 +39,7 @@ def test_a_part_is_judged_on_its_wire_fields_before_decoding() -> None:
     )
     from hivemind.proto import runtime_pb2
 
-    from p2p_diloco.core.hivemind_codecs import CodecCompression
+    from p2p_diloco.swarm.hivemind_codecs import CodecCompression
     from p2p_diloco.swarm.runner import wire_part_problem
 
     plain = NoCompression().compression_type

@@ -94,7 +94,7 @@ def _port(swarm: ScriptedSwarm) -> tuple[SwarmPort, OuterState]:
     params = [torch.zeros(4)]
     state = OuterState(params, lr=0.7, momentum=0.9, policy=StalenessPolicy(), device="cpu")
     port = SwarmPort(swarm, state, params, [], NO_FAULTS, eager=False)  # type: ignore[arg-type]
-    port.start()
+    port.view.start()
     return port, state
 
 
@@ -130,19 +130,19 @@ def test_port_times_a_joiners_first_phase_by_how_far_the_swarm_is_into_its_own()
     port, _ = _port(swarm)
     assert port.resync(4)
     # this peer now trusts its donor a alone, 32 s into epoch 4's phase: b, a stranger, is not believed
-    assert port.late_start_s == pytest.approx(32.0)
+    assert port.sync.late_start_s == pytest.approx(32.0)
     port.evidence.averaged_with(["b"])
     assert port.resync(4)
     # a and b, 32 s and 33 s into the phase; a peer at another epoch and this one do not count
-    assert port.late_start_s == pytest.approx(32.5)
+    assert port.sync.late_start_s == pytest.approx(32.5)
     # ages count within [0, PHASE_RECORD_MAX_AGE_S]: a writer's clock cannot put the phase an hour back
     swarm.phases = {"a": (10.0, 3600.0), "b": (10.0, -50.0)}
     assert port.resync(4)
-    assert port.late_start_s == pytest.approx((10.0 + PHASE_RECORD_MAX_AGE_S + 10.0) / 2)
+    assert port.sync.late_start_s == pytest.approx((10.0 + PHASE_RECORD_MAX_AGE_S + 10.0) / 2)
     # no peer at the loaded epoch says: the download's own time (here next to nothing)
     swarm.claims = {"me": 0, "old": 3}
     assert port.resync(4)
-    assert 0.0 <= port.late_start_s < 5.0
+    assert 0.0 <= port.sync.late_start_s < 5.0
 
 
 def test_port_keeps_believing_donors_that_served_verified_chunks_of_a_failed_download() -> None:
@@ -230,9 +230,9 @@ def test_port_never_claims_more_than_max_round_weight() -> None:
 def test_port_dylu_compares_only_trusted_speeds() -> None:
     swarm = ScriptedSwarm(claims={"me": 0, "a": 0, "liar": 0}, speeds={"me": 2.0, "a": 3.0, "liar": 1e12})
     port, _ = _port(swarm)
-    assert port.trusted_speeds() == []  # a claimed 10^12 steps/s would have cut everybody to min_local_steps
+    assert port.view.trusted_speeds() == []  # a claimed 10^12 steps/s would have cut everybody to min_local_steps
     port.evidence.averaged_with(["a"])
-    assert port.trusted_speeds() == [("a", 3.0)]
+    assert port.view.trusted_speeds() == [("a", 3.0)]
 
 
 def _swarm_states() -> tuple[OuterState, list[torch.Tensor], SimpleNamespace]:
@@ -267,7 +267,7 @@ def test_a_joiner_one_round_behind_applies_the_missed_round_and_takes_part_in_th
     port, state = _port(swarm)
     assert port.resync(3)
     assert len(swarm.downloads) == 1  # one download, then the update: not a second download
-    assert state.epoch == 4 and port.state_digest() == swarm_sha  # bitwise the swarm's state
+    assert state.epoch == 4 and port.serving.state_digest() == swarm_sha  # bitwise the swarm's state
     assert port.observe(4).swarm_epoch == 4  # not behind: the round policy averages, it does not resync
     swarm.result = RoundResult(Outcome.AVERAGED, "", 4, contributors=("me", "a", "b"), rejected=())
     port.average([torch.ones(4)], 1.0, 0, 4, None, 0.0)
@@ -288,7 +288,7 @@ def test_an_update_that_does_not_lead_to_the_voted_state_is_dropped_for_a_second
     port, state = _port(swarm)
     assert port.resync(3)
     assert [m for m, _ in swarm.downloads] == [3, 4]  # the stepped result failed its check: downloaded again
-    assert state.epoch == 4 and port.state_digest() == swarm_sha
+    assert state.epoch == 4 and port.serving.state_digest() == swarm_sha
 
 
 def test_a_peer_one_round_behind_with_the_swarms_state_applies_the_update_to_its_own() -> None:
@@ -304,7 +304,7 @@ def test_a_peer_one_round_behind_with_the_swarms_state_applies_the_update_to_its
                                    result_sha=swarm_sha, donor="a", sources=("a", "b"), delivered={"a": 1}, vouching="a")
     assert port.resync(4)
     assert len(swarm.downloads) == 1  # the update only (half a state or less), not a second whole state
-    assert state.epoch == 4 and port.state_digest() == swarm_sha  # bitwise the swarm's state
+    assert state.epoch == 4 and port.serving.state_digest() == swarm_sha  # bitwise the swarm's state
     assert torch.equal(port.params[0], state.anchors[0])  # and the model starts the round from it
     # an update that does not lead to the voted state: the live state changed, so the whole state is downloaded
     truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
@@ -315,7 +315,7 @@ def test_a_peer_one_round_behind_with_the_swarms_state_applies_the_update_to_its
                                    result_sha=newest_sha, donor="a", sources=("a",), delivered={"a": 1}, vouching="a")
     assert port.resync(5)
     assert [m for m, _ in swarm.downloads] == [3, 5]
-    assert state.epoch == 5 and port.state_digest() == newest_sha
+    assert state.epoch == 5 and port.serving.state_digest() == newest_sha
 
 
 def test_only_an_identity_that_delivered_verified_bytes_is_credited_and_only_without_trusted_evidence() -> None:
@@ -358,7 +358,7 @@ def test_a_relay_listed_first_is_never_trusted_for_an_update_trusted_votes_accep
                                vouching="a")
 
     port, state, swarm, swarm_sha, _ = _one_round_behind(relayed)
-    assert port.resync(4) and state.epoch == 4 and port.state_digest() == swarm_sha
+    assert port.resync(4) and state.epoch == 4 and port.serving.state_digest() == swarm_sha
     assert not port.evidence.trusts("relay")  # it relayed the honest bytes: that proves nothing of its own
     swarm.claims["relay"] = 1004  # ... so its claim of a future epoch moves nobody
     assert port.observe(4).swarm_epoch == 4
@@ -375,10 +375,10 @@ def test_a_poisoned_update_changes_nothing_live_even_when_the_fallback_download_
 
     port, state, swarm, _, before = _one_round_behind(poisoned)
     momentum = [m.clone() for m in state.outer.momentum_buffers()]
-    digest = port.state_digest()
+    digest = port.serving.state_digest()
     assert not port.resync(4)  # the update failed its check, and no donor served a whole state either
     assert [m for m, _ in swarm.downloads][-1] == 4  # it tried the download
-    assert state.epoch == 3 and port.state_digest() == digest  # its last verified state, served as such
+    assert state.epoch == 3 and port.serving.state_digest() == digest  # its last verified state, served as such
     assert all(torch.equal(a, b) for a, b in zip(state.anchors, before, strict=True))
     assert all(torch.equal(m, b) for m, b in zip(state.outer.momentum_buffers(), momentum, strict=True))
     assert torch.equal(port.params[0], before[0])
@@ -406,7 +406,7 @@ def test_after_a_missed_round_the_first_phase_is_floored_by_the_updates_fetch_ti
     """The donors served the update from their step on: its fetch time is a floor on how far the swarm is into
     its phase. A believed record of ``phase_s`` 0 made a joiner plan the full H and arrive late."""
     clock = Clock()
-    monkeypatch.setattr("p2p_diloco.peer.port.time", SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr("p2p_diloco.core.sync.time", SimpleNamespace(monotonic=clock))
     truth, fresh, _ = _swarm_states()
     download = _download_of(truth, "a")
     base = (download.state_sha256, 3)
@@ -424,4 +424,4 @@ def test_after_a_missed_round_the_first_phase_is_floored_by_the_updates_fetch_ti
                                               sources=("a", "b"), delivered={"a": 1}, vouching="a"))
     port, state = _port(swarm)
     assert port.resync(3) and state.epoch == 4
-    assert port.late_start_s == pytest.approx(7.0)  # the records say 0 s into epoch 4's phase; the fetch, 7
+    assert port.sync.late_start_s == pytest.approx(7.0)  # the records say 0 s into epoch 4's phase; the fetch, 7

@@ -142,8 +142,8 @@ def test_parts_are_split_and_assigned_as_hivemind_does() -> None:
     from hivemind.compression import Float16Compression, NoCompression
 
     from p2p_diloco.core.codecs import get_codec
-    from p2p_diloco.core.hivemind_codecs import CodecCompression
     from p2p_diloco.core.robust import assign_parts, part_size_values, split_parts
+    from p2p_diloco.swarm.hivemind_codecs import CodecCompression
 
     tensors = _honest(1, dim=2100)[0].reshape(300, 7), torch.ones(5), torch.ones(1000), torch.ones(64, 64)
     for compression, codec in ((NoCompression(), "none"), (Float16Compression(), "fp16"),

@@ -70,7 +70,13 @@ from hivemind.proto import runtime_pb2
 
 from p2p_diloco.core.bounds import norm_tolerance
 from p2p_diloco.core.codecs import CODEC_NAMES, DEFAULT_BLOCK_SIZE, Codec, ErrorFeedback, get_codec
-from p2p_diloco.core.sparse import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, SparseAverageCodec, TopKCodec
+from p2p_diloco.core.sparse import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_TOPK,
+    SPARSE_CODEC_NAMES,
+    SparseAverageCodec,
+    TopKCodec,
+)
 
 __all__ = [
     "HEADER_NBYTES",
@@ -115,7 +121,7 @@ def _codec_for(codec_id: int, param: int) -> Codec:
         if param & 0xFFFF or not 4 <= param >> 16 <= 15:
             raise ValueError(f"parameter {param:#x} is invalid for codec {name!r}")
         return SparseAverageCodec(1 << (param >> 16))
-    if name in ("topk", "topk-sign"):
+    if name in SPARSE_CODEC_NAMES:
         if not 4 <= param >> 16 <= 15:
             raise ValueError(f"parameter {param:#x} is invalid for codec {name!r}")
         return get_codec(name, chunk_size=1 << (param >> 16), k=param & 0xFFFF)
@@ -219,7 +225,7 @@ class CodecCompression(CompressionBase):
         if magic != _MAGIC:
             raise ValueError(
                 f"payload in the {HIVEMIND_SLOT} slot is not a p2p_diloco codec payload; "
-                "is the sending peer missing p2p_diloco.core.hivemind_codecs.install()?"
+                "is the sending peer missing p2p_diloco.swarm.hivemind_codecs.install()?"
             )
         if version != _VERSION:
             raise ValueError(f"unsupported codec payload version {version}")
