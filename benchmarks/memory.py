@@ -197,7 +197,7 @@ def save_shaped_model(shape: str, seq_len: int, folder: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix=f"mem-{args.preset}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"mem-{Path(args.preset).name}-"))  # --preset may name a model folder
     model_arg = [] if args.shape else ["--model", args.preset]
     if args.shape:  # --preset names the result; the model is a local folder of that shape
         save_shaped_model(args.shape, args.seq_len, work / "model")

@@ -1,7 +1,7 @@
 """How long a round waits beyond its all-reduce when every peer is ready, blocking against eager.
 
 Two real ``run_peer`` processes and a bootstrap on loopback, the swarm's DEFAULT deadlines
-(``--matchmaking-time-s 15`` and the rest), the tiny model, H = 20 inner steps, a few rounds per mode. Per
+(``--matchmaking-time-s 15`` and the rest), the tiny model, H = 20 inner steps, 12 rounds per mode. Per
 round (after the first, which includes start-up skew):
 
 - ``round_s``: wall seconds between this peer's consecutive round ends;
@@ -9,7 +9,13 @@ round (after the first, which includes start-up skew):
   anything but training and the all-reduce itself (matchmaking, mostly);
 - ``utilization``: ``inner_seconds / round_s``.
 
-Run: ``python -m benchmarks.round_wait [--rounds 5] [--tag before]``; writes
+The medians are over the rounds that ran with the LEARNED matchmaking window (``window_s`` below the
+``--matchmaking-time-s`` flag, from about round 4 on: ``core.deadlines`` needs 3 samples), which is the
+steady state of a long run; rounds 2-3 still use the flag. Fewer than about 10 rounds hides the learned
+window's behaviour behind the warm-up rounds, so ``--rounds`` below 10 is refused. ``all_rounds`` holds the
+medians over every round after the first as well.
+
+Run: ``python -m benchmarks.round_wait [--rounds 12] [--tag before]``; writes
 ``benchmarks/results/round_wait_<tag>.json`` and prints the medians.
 """
 
@@ -30,6 +36,9 @@ from typing import Any
 from p2p_diloco.demo import wait_for_maddr
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MATCHMAKING_TIME_S = 15.0
+"""The peer's default ``--matchmaking-time-s``: a round whose window is below it used the learned window."""
+MIN_ROUNDS = 10
 PEER = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--use-relay", "false", "--model", "tiny", "--batch-size", "4",
         "--seq-len", "64", "--local-steps", "20", "--min-local-steps", "20", "--eval-every", "0"]
 
@@ -87,27 +96,39 @@ def run_mode(mode: str, rounds: int, work: Path) -> dict[str, Any]:
                 wait_beyond_allreduce_s=round_s - row["inner_seconds"] - row["allreduce_seconds"],
                 utilization=row["inner_seconds"] / round_s if round_s > 0 else float("nan"),
                 due=row.get("due_members"), cut=row.get("cut_members"),
-                formed_early=row.get("formed_early"),
+                formed_early=row.get("formed_early"), stepped_back=row.get("stepped_back"),
+                window_s=row.get("window_s"),
             ))
         peers[name] = dict(outcomes=[r["outcome"] for r in rows], rounds=per_round)
-    steady = [r for p in peers.values() for r in p["rounds"]]
+    every = [r for p in peers.values() for r in p["rounds"]]
+    learned = [r for r in every if r["window_s"] and r["window_s"] < MATCHMAKING_TIME_S]
+    return dict(mode=mode, codes=codes, peers=peers, learned_rounds=len(learned), **medians(learned),
+                all_rounds=medians(every))
+
+
+def medians(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """The medians the benchmark reports, over ``rounds`` (both peers' rows)."""
 
     def med(key: str) -> float:
-        values = [r[key] for r in steady if r[key] is not None]
+        values = [r[key] for r in rounds if r[key] is not None]
         return statistics.median(values) if values else float("nan")
 
-    return dict(mode=mode, codes=codes, peers=peers, median_round_s=med("round_s"), median_inner_s=med("inner_s"),
-                median_allreduce_s=med("allreduce_s"), median_matchmaking_s=med("matchmaking_s"),
-                median_blocked_s=med("blocked_s"), median_wait_beyond_allreduce_s=med("wait_beyond_allreduce_s"),
-                median_utilization=med("utilization"))
+    return dict(median_round_s=med("round_s"), median_inner_s=med("inner_s"), median_allreduce_s=med("allreduce_s"),
+                median_matchmaking_s=med("matchmaking_s"), median_blocked_s=med("blocked_s"),
+                median_wait_beyond_allreduce_s=med("wait_beyond_allreduce_s"), median_utilization=med("utilization"),
+                median_window_s=med("window_s"))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=12,
+                        help=f"rounds per mode, at least {MIN_ROUNDS}: the learned window takes over from round 4")
     parser.add_argument("--tag", default="after", help="suffix of the JSON file (e.g. before, after)")
     parser.add_argument("--modes", default="none,eager")
     args = parser.parse_args(argv)
+    if args.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}, got {args.rounds}: fewer leave too few rounds "
+                     "with the learned matchmaking window to take a median over")
     runs = []
     with tempfile.TemporaryDirectory(prefix="round_wait_") as tmp:
         for mode in args.modes.split(","):
@@ -117,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             print(f"{mode}: codes {run['codes']}, median round {run['median_round_s']:.2f} s, inner "
                   f"{run['median_inner_s']:.2f} s, all-reduce {run['median_allreduce_s']:.2f} s, wait beyond it "
-                  f"{run['median_wait_beyond_allreduce_s']:.2f} s, utilization {run['median_utilization']:.2f}; "
+                  f"{run['median_wait_beyond_allreduce_s']:.2f} s, utilization {run['median_utilization']:.2f}, "
+                  f"window {run['median_window_s']:.2f} s (medians over {run['learned_rounds']} learned-window "
+                  "rounds); "
                   f"outcomes {[p['outcomes'] for p in run['peers'].values()]}")
     RESULTS.mkdir(exist_ok=True)
     payload = dict(rounds=args.rounds, flags=PEER, runs=runs, machine=dict(

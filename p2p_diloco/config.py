@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from p2p_diloco.core.codecs import CODEC_NAMES, CodecName
+from p2p_diloco.core.outer_defaults import OuterChoice, choose_outer
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 """The one run-id rule, for every place that names or reads a run (this config, ``SwarmConfig``, the group
@@ -187,13 +188,15 @@ class OuterConfig:
     finds the outer settings for your H and k on a small proxy model (they transfer across model sizes; see
     that command's help)."""
 
-    lr: float = field(default=0.7, metadata={"flag": "outer-lr"})
-    """Outer learning rate η. When consecutive rounds agree, the outer step moves the shared parameters by up
+    lr: float | None = field(default=None, metadata={"flag": "outer-lr"})
+    """Outer learning rate η. Unset (the default): chosen from H (``local_steps``), ``expected_peers`` and
+    ``overlap`` by ``core.outer_defaults`` and stated in the log at start: 1 below H = 100 (0.7 with eager
+    overlap), else 0.4 for one peer, 0.6 for 2-7, 0.7 from 8 (with momentum 0.9); a value given always wins. When consecutive rounds agree, the outer step moves the shared parameters by up
     to about η / (1 − μ) times the averaged pseudo-gradient (μ = ``momentum``): the *effective outer step*.
     1 means "go to the peers' average" (η = 1, μ = 0 is FedAvg). How to choose (measured on the tiny preset,
     200 inner steps per worker, BENCHMARKS.md "Convergence" and its sweeps):
 
-    - H about 500, hundreds of rounds (the paper's regime): η = 0.7 with μ = 0.9, the default.
+    - H about 500, hundreds of rounds (the paper's regime): η = 0.7 with μ = 0.9 (the rule's choice at k >= 8).
     - Tens of rounds (small H, or a short run): μ = 0 and η = 1. At k = 4, H = 20, 10 rounds (3 seeds)
       η = 1 was best; η = 0.7 cost 1.3%, 1.5 cost 4.6%, 0.3 cost 11%; the paper's 0.7 / 0.9 cost 9.8%.
       With 0.7 / 0.9 the outer step moved the parameters 6-7x as far as the averaged pseudo-gradient by the
@@ -214,8 +217,9 @@ class OuterConfig:
     - Check your own H and k with ``python -m p2p_diloco.simulate sweep``; lower η when a sweep's best sits
       at its largest momentum, raise it toward 1 when momentum is 0."""
 
-    momentum: float = field(default=0.9, metadata={"flag": "outer-momentum"})
-    """Outer Nesterov momentum μ; 0 turns the outer step into plain SGD (FedAvg with lr 1). Momentum re-applies
+    momentum: float | None = field(default=None, metadata={"flag": "outer-momentum"})
+    """Outer Nesterov momentum μ. Unset (the default): 0 below H = 100 and 0.9 from H = 100 on, chosen by
+    ``core.outer_defaults`` and stated in the log at start; a value given always wins. 0 turns the outer step into plain SGD (FedAvg with lr 1). Momentum re-applies
     each round's pseudo-gradient about 1/(1 − μ) times over the following rounds (10 at 0.9), so it pays off
     over many rounds and amplifies a direction that repeats round after round (small H). The paper's 0.9 suits
     H about 500 and hundreds of rounds. With tens of rounds it did not pay in our sweeps (tiny preset, k = 4,
@@ -226,6 +230,15 @@ class OuterConfig:
     or 0.9 still ended 1.6% and 8.9% behind μ = 0. When you change μ, keep lr / (1 − μ) about the same, and keep
     lr at most 1: at effective steps of 1.5-3 a large lr cost more than a large μ (lr 1.5, μ 0: +4.6%;
     lr 1, μ 0.6: +6.7%; lr 0.3, μ 0.9: +2.8%). Keep μ below 1."""
+
+    expected_peers: int = 8
+    """About how many peers you expect in a round (k); used only to choose ``lr`` when it is not given (the
+    best outer lr grows with the number of replicas at large H: 0.4 for 1, 0.6 for 2-7, 0.7 from 8). The
+    default 8 is the DiLoCo paper's k, for which the rule gives the paper's 0.7 / 0.9 at H >= 100. Peers of
+    one run should state the same number (every peer steps with its own outer settings)."""
+
+    choice: OuterChoice | None = field(default=None, init=False, repr=False, metadata={"cli": False})
+    """How ``lr`` and ``momentum`` were chosen (filled in by validation; the peer logs it at start)."""
 
     min_local_steps: int = 5
     """Floor on a slow peer's DyLU step count, so that its contribution is worth the round trip."""
@@ -282,8 +295,14 @@ class OuterConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.local_steps <= 1_000_000:
             raise ValueError(f"local_steps: must be in [1, 1000000], got {self.local_steps}")
-        _check_range("lr", self.lr, 0.0, 10.0, low_open=True)
-        _check_range("momentum", self.momentum, 0.0, 0.999)
+        if not 1 <= self.expected_peers <= 100_000:
+            raise ValueError(f"expected_peers: must be in [1, 100000], got {self.expected_peers}")
+        if self.lr is not None:
+            _check_range("lr", self.lr, 0.0, 10.0, low_open=True)
+        if self.momentum is not None:
+            _check_range("momentum", self.momentum, 0.0, 0.999)
+        self.choice = choose_outer(self.local_steps, self.expected_peers, self.overlap, self.lr, self.momentum)
+        self.lr, self.momentum = self.choice.lr, self.choice.momentum
         if not 1 <= self.min_local_steps <= self.local_steps:
             raise ValueError(
                 f"min_local_steps: must be in [1, local_steps={self.local_steps}], got {self.min_local_steps}"
@@ -345,9 +364,15 @@ class RunConfig:
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (0.0.0.0). Default: no metrics endpoint."""
 
-    eval_every: int = 1
-    """Evaluate on the held-out split at start and every this many rounds; 0 disables evaluation entirely
-    (no held-out split is read), e.g. for a local dataset too small to hold one sequence out."""
+    eval_every: int | None = None
+    """Evaluate on the held-out split at start, every this many rounds and after the last round of a run with
+    ``max_rounds``; 0 disables evaluation entirely (no held-out split is read), e.g. for a local dataset too
+    small to hold one sequence out. Unset (the default): the fewest rounds between evaluations that keep their
+    cost under about 3% of the inner steps (:func:`default_eval_every`): every round from H = 100 at the
+    default 8 ``eval_batches``, every 5th at H = 20. An evaluation is ``eval_batches`` forward passes on the
+    training thread, and every peer pays it between rounds: measured on the tiny preset (CPU, one thread),
+    8 batches took as long as 1.8-2.7 training steps, 9-13% of a round at H = 20. Set 1 to follow the eval
+    loss round by round (a convergence study), 0 for the most throughput."""
 
     def __post_init__(self) -> None:
         if not is_run_id(self.run_id):
@@ -365,7 +390,7 @@ class RunConfig:
                              "is damaged)")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be in [1, 65535], got {self.metrics_port}")
-        if self.eval_every < 0:
+        if self.eval_every is not None and self.eval_every < 0:
             raise ValueError(f"eval_every: must be >= 0, got {self.eval_every}")
 
 
@@ -382,6 +407,21 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.inner.total_steps == 0 and self.run.max_rounds:
             self.inner.total_steps = self.run.max_rounds * self.outer.local_steps
+        if self.run.eval_every is None:
+            self.run.eval_every = default_eval_every(self.outer.local_steps, self.data.eval_batches)
+
+
+EVAL_SHARE = 0.03
+"""The default evaluation cadence keeps evaluations under this share of the inner steps' compute."""
+EVAL_BATCH_COST = 1 / 3
+"""An evaluation batch (forward only) in training steps (forward, backward, optimizer): a backward costs about
+two forwards. Measured on the tiny preset (CPU, one thread, batch 16 x 128): 0.23-0.34."""
+
+
+def default_eval_every(local_steps: int, eval_batches: int) -> int:
+    """Rounds between evaluations when ``--eval-every`` is not given: the fewest for which ``eval_batches``
+    forward passes cost at most ``EVAL_SHARE`` of the ``local_steps`` inner steps in between."""
+    return max(1, math.ceil(eval_batches * EVAL_BATCH_COST / (EVAL_SHARE * local_steps) - 1e-9))
 
 
 @dataclass

@@ -17,11 +17,14 @@ from p2p_diloco.demo import wait_for_maddr  # noqa: F401 - the tests import it f
 # (min-local-steps = local-steps): peers sharing this machine's two cores are not independent hardware,
 # and the one that happens to get the CPU while the others wait measures itself fastest, which makes the
 # others' step counts swing. DyLU itself is tested in tests/unit/test_core_dylu.py and the simulator.
+# --eval-every 1: tests read a peer's eval loss of a given round (the default evaluates every few rounds).
+# --outer-lr 0.7 --outer-momentum 0.9: the settings these tests were written for (at H = 10 the peer would
+# choose 1 and 0), so that momentum's paths (its state chunks, its checkpoint tensors) stay exercised.
 FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "--matchmaking-timeout-s", "15",
         "--allreduce-timeout-s", "30", "--next-chunk-timeout-s", "10", "--request-timeout-s", "2",
         "--state-download-timeout-s", "30", "--startup-timeout-s", "15", "--progress-ttl-s", "30",
         "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--inner-lr", "2e-3", "--warmup-steps", "5",
-        "--eval-batches", "2", "--local-steps", "10", "--min-local-steps", "10"]
+        "--eval-batches", "2", "--eval-every", "1", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--local-steps", "10", "--min-local-steps", "10"]
 
 
 # Round outcomes after which a peer holds the swarm's parameters for the round's new epoch.

@@ -229,6 +229,8 @@ def _main(argv: Sequence[str] | None) -> int:
         else:
             print(f"peer {session.peer_id}: {count_parameters(model):,}-parameter {cfg.model.model} on "
                   f"{trainer.device}, run {cfg.run.run_id!r}, {how}", flush=True)
+        if lead and cfg.outer.choice is not None:
+            print(cfg.outer.choice.describe(), flush=True)
         if lead and cfg.swarm.client_mode:  # nobody can dial it, so its addresses are no use to others
             print("client mode: others join through the run's full peers or bootstrap nodes, not this peer",
                   flush=True)
@@ -257,7 +259,8 @@ def _main(argv: Sequence[str] | None) -> int:
             steps = session.local_steps()
             stats = trainer.train_steps(steps, session.on_inner_step)
             report = session.end_round(stats)
-            evaluated = cfg.run.eval_every and session.rounds_done % cfg.run.eval_every == 0
+            # every eval_every rounds, and after a run's last round (whatever the cadence, its final loss)
+            evaluated = cfg.run.eval_every and (session.rounds_done % cfg.run.eval_every == 0 or session.done)
             eval_loss = trainer.evaluate(local.eval_batches) if evaluated else float("nan")
             if metrics and evaluated:
                 metrics.eval(eval_loss, session.epoch)

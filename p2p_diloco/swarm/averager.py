@@ -251,7 +251,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         try:
             deadlines = self.deadlines.next_round()
             gather = sign_gather(encode_gather(self.bandwidth, self.mode, info), self._claim_key)
-            control = self._begin_step(gather, tuple(due), deadlines, stale_shared, step_back=step_back)
+            control = self._begin_step(gather, tuple(due), deadlines, stale_shared, step_back=step_back, epoch=epoch)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
@@ -350,9 +350,11 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             self.lock_averaged_tensors.release()
 
     def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...], deadlines: RoundDeadlines,
-                    stale: list[torch.Tensor] | None = None, step_back: bool = True) -> StepControl:
+                    stale: list[torch.Tensor] | None = None, step_back: bool = True,
+                    epoch: int | None = None) -> StepControl:
         """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round; the
-        window and the all-reduce deadline are this round's ``deadlines``, ``stale`` the round's late work."""
+        window and the all-reduce deadline are this round's ``deadlines``, ``stale`` the round's late work,
+        ``epoch`` picks the round's matchmaking key (``protocol.round_group_bits``)."""
         now = get_dht_time()
         control = StepControl(
             scheduled_time=now + deadlines.window_s,
@@ -364,7 +366,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due,
                                                  allreduce_timeout=deadlines.allreduce_s, stale=stale,
-                                                 step_back=step_back)))
+                                                 step_back=step_back, epoch=epoch)))
         try:
             trigger, cancel = future_for_init.result(timeout=self.cfg.startup_timeout_s)
         except BaseException:

@@ -19,6 +19,8 @@ a record's fields, the group metadata, the state manifest, the wire codecs.
 
 from __future__ import annotations
 
+from typing import Any
+
 PROTOCOL_VERSION = 2
 """1: every release before the version existed (names without it). 2: progress records carry ``phase_s``
 and ``protocol``."""
@@ -32,6 +34,30 @@ def versioned(name: str, protocol: int = PROTOCOL_VERSION) -> str:
 def averager_prefix(run_id: str, fingerprint: str, protocol: int = PROTOCOL_VERSION) -> str:
     """The averager's prefix: its matchmaking key, its state donors' key and its RPCs' namespace."""
     return f"{versioned(run_id, protocol)}_{fingerprint[:16]}"
+
+
+def round_group_bits(epoch: int) -> str:
+    """The bits of hivemind's matchmaking key (``<prefix>.0b<bits>``) under which the round of ``epoch`` meets:
+    the epoch in binary, so that every round declares under a key of its own.
+
+    Why not one key for the whole run: hivemind's DHT keeps, per key and peer, only the record with the LATEST
+    expiration, and silently rejects a store that expires earlier. A search ends by marking this peer "not
+    looking" with its last declared expiration, and a peer that stepped back (``quorum.EarlyAssembly``) last
+    declared until the end of its search, up to ``matchmaking_timeout_s`` ahead. Under one key, the next
+    round's declaration (now + window) expired earlier than that record, was rejected, and left this peer
+    invisible as a leader: two peers that were both due and present never found each other, both stepped
+    back at the end of the window, re-declared until the end of the search, and so met only then, every round
+    (measured with 2 peers on loopback: each round waited the whole 7.5 s learned window; it began the first
+    time the learned window came out shorter than the flag's 15 s, whose declarations had expired later than
+    the next round's). A key per epoch starts every round with no record of this peer at all. It also keeps
+    peers of different epochs from joining one group that ``group.plan_group`` would then refuse."""
+    return format(max(0, int(epoch)), "b")
+
+
+def use_round_key(matchmaking: Any, epoch: int) -> None:
+    """Make hivemind's ``matchmaking`` declare and look under the key of ``epoch``'s round (call before its
+    search begins; hivemind changes the bits again once a group forms, which the next round overrides)."""
+    matchmaking.group_key_manager.group_bits = round_group_bits(epoch)
 
 
 def neighbours(protocol: int = PROTOCOL_VERSION) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm.claims import open_gathered
 from p2p_diloco.swarm.completion import confirm_complete
 from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT, GroupPlan, balancing_bandwidths, plan_group
+from p2p_diloco.swarm.protocol import use_round_key
 from p2p_diloco.swarm.quorum import Formed
 from p2p_diloco.swarm.runner import (
     ByteCounter,
@@ -78,16 +79,19 @@ class RoundProcessMixin:
 
     async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = (),
                     allreduce_timeout: float | None = None, stale: list[torch.Tensor] | None = None,
-                    step_back: bool = True) -> None:
+                    step_back: bool = True, epoch: int | None = None) -> None:
         """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
         scaled, and the caller prefers a prompt "skipped" to a late round anyway. Beside the search runs
-        ``quorum.EarlyAssembly``: a leader forms its group as soon as every peer in ``due`` joined.
+        ``quorum.EarlyAssembly``: a leader forms its group as soon as every peer in ``due`` joined. The search
+        declares under the key of ``epoch`` (``protocol.use_round_key``).
         """
         began = time.monotonic()
         self._guard_leaders()
         self._join_timing.install(self._matchmaking)
+        if epoch is not None:
+            use_round_key(self._matchmaking, epoch)
         if self._fault_hook is not no_faults:
             _hook_assembly(self._matchmaking, self._fault_hook)
         try:

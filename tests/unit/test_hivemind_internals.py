@@ -19,6 +19,7 @@ import hivemind
 import pytest
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import serialization
@@ -62,6 +63,8 @@ FIELDS = [
     (Matchmaking, "current_leader", "swarm/quorum.py"),
     (Matchmaking, "current_followers", "swarm/quorum.py"),
     (Matchmaking, "is_looking_for_group", "swarm/quorum.py"),
+    (Matchmaking, "group_key_manager", "swarm/protocol.py (use_round_key: a matchmaking key per round)"),
+    (GroupKeyManager, "group_bits", "swarm/protocol.py sets it per round; current_key is built from it"),
     (AllReduceRunner, "_future", "swarm/runner.py"),
     (AllReduceRunner, "tensor_part_container", "swarm/runner.py"),
     (TensorPartContainer, "_input_parts_by_peer", "swarm/runner.py, swarm/verify.py"),
