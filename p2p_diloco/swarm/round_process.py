@@ -146,6 +146,10 @@ class RoundProcessMixin:
             if formed.due:
                 result.cut_peers = tuple(sorted((set(due) | {self.peer_id.to_base58()}) - members))
                 result.cut_members = len(result.cut_peers)
+            if step.done():  # the trainer cancelled the round while it ran: it counts it as not averaged
+                logger.info("Round %s ended (%s) after the trainer gave up on it", group_info.group_id.hex()[:8],
+                            result.outcome.value)
+                return
             step.set_result(result)
         except Exception as e:
             logger.warning("Averaging round failed: %r", e)
