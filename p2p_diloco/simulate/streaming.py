@@ -71,7 +71,7 @@ class StreamingSimResult(SimResult):
     """Per peer, one ``[start_s, end_s, bytes]`` per fragment all-reduce, on the virtual clock."""
     consensus_eval_loss: float = float("nan")
     """Eval loss of the workers' mean parameters at the end of the run."""
-    outcomes: dict[str, int] = field(default_factory=dict)
+    fragment_outcomes: dict[str, int] = field(default_factory=dict)
     """Fragment rounds by outcome, over every worker."""
 
 
@@ -222,7 +222,7 @@ class StreamingSimulation:
     def _finish(self, f: int, result: StreamingSimResult) -> None:
         for peer in self.peers:
             report = peer.finish(f)
-            result.outcomes[report.outcome.value] = result.outcomes.get(report.outcome.value, 0) + 1
+            result.fragment_outcomes[report.outcome.value] = result.fragment_outcomes.get(report.outcome.value, 0) + 1
 
     def _consensus_loss(self) -> float:
         trainer = self.judge.local.trainer

@@ -202,7 +202,7 @@ def test_one_fragment_without_delay_is_diloco_bit_for_bit(codec: str) -> None:
     streaming = run(_sim_cfg(compression=codec, error_feedback=ef), SimConfig(mode="streaming", workers=2, rounds=3))
     assert [r.eval_loss for r in streaming.rounds] == [r.eval_loss for r in diloco.rounds]
     assert streaming.total_bytes_sent_per_worker == diloco.total_bytes_sent_per_worker > 0
-    assert streaming.outcomes == {"averaged": 6}
+    assert streaming.fragment_outcomes == {"averaged": 6}
 
 
 def test_four_fragments_send_the_same_bytes_at_a_quarter_of_the_peak() -> None:
@@ -212,7 +212,7 @@ def test_four_fragments_send_the_same_bytes_at_a_quarter_of_the_peak() -> None:
     assert four.peak_bytes_per_s == pytest.approx(
         max(four.fragment_numels) / sum(four.fragment_numels) * one.peak_bytes_per_s)
     assert four.peak_bytes_per_s <= 0.3 * one.peak_bytes_per_s
-    assert four.outcomes == {"averaged": 2 * 4 * 2}
+    assert four.fragment_outcomes == {"averaged": 2 * 4 * 2}
 
 
 def test_peak_rate_adds_overlapping_transfers_only() -> None:
