@@ -278,12 +278,16 @@ class OuterConfig:
     outer result is merged τ steps later, while training goes on. 0 blocks (the all-reduce must finish at
     once); larger τ spreads a fragment's bytes over τ steps, lowering the peak further, at the price of τ steps
     of local work the merge partly overwrites (see ``fragment_alpha``). At most H / F, so a fragment's all-reduce
-    ends before the next fragment's starts (one fragment in flight at a time)."""
+    ends before the next fragment's starts (one fragment in flight at a time). Measured (tiny preset, 4 workers,
+    H = 12, F = 4, 3 seeds, fp32): τ = 2 halved the peak again (0.14x DiLoCo's) and cost 0.5% of eval loss."""
 
     fragment_alpha: float = 0.0
     """α, how a fragment's outer result merges with the local copy: params ← α·local + (1 − α)·global. 0 takes
     the global result (with τ = 0 this is DiLoCo exactly); with τ > 0 the local copy holds τ steps of work the
-    global one lacks, and α > 0 keeps part of it (the paper's best was about 0.5 with overlap). In [0, 1)."""
+    global one lacks, and α > 0 keeps part of it. In [0, 1). Measured with τ = 2 (tiny preset, F = 4, 3 seeds):
+    at fp32 α = 0 and 0.5 ended equal (+0.49% and +0.52% against DiLoCo); with the topk-sign codec α = 0.5
+    ended 23% below DiLoCo on a 5-round run, since it keeps local work the sparse codec has not delivered yet,
+    and α = 0 0.9% above. Check α at your run length with the simulator."""
 
     max_staleness: int = 4
     """Late work older than this many rounds is dropped instead of folded in."""
