@@ -25,7 +25,9 @@ reports the workers' mean parameters (what a plain final average would export).
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -91,15 +93,65 @@ def peak_rate(traffic: Sequence[Sequence[float]]) -> float:
     return peak
 
 
+def state_digest(state: OuterState) -> str:
+    """sha256 of a fragment's state (anchors, then momentum): what peers compare in the checksum vote."""
+    digest = hashlib.sha256()
+    for tensor in [*state.anchors, *(m for m in state.outer.momentum_buffers() if m is not None)]:
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class FragmentBoard:
+    """What the DHT holds per fragment: each worker's published digest at each of the fragment's epochs, and
+    its state to download (every worker serves its fragments)."""
+
+    def __init__(self) -> None:
+        self.digests: dict[tuple[int, int], dict[int, str]] = {}
+        self.states: dict[tuple[int, int], OuterState] = {}
+
+    def publish(self, fragment: int, worker: int, state: OuterState) -> None:
+        self.states[(fragment, worker)] = state
+        self.digests.setdefault((fragment, state.epoch), {})[worker] = state_digest(state)
+
+    def minority(self, fragment: int, epoch: int, worker: int, state: OuterState) -> bool:
+        """A strict majority of the workers that published for (fragment, epoch) published another digest."""
+        votes = self.digests.get((fragment, epoch), {})
+        mine = state_digest(state)
+        return sum(1 for digest in votes.values() if digest != mine) > len(votes) / 2
+
+    def donor(self, fragment: int, min_epoch: int, exclude: int) -> OuterState | None:
+        """A worker holding the fragment's newest state of ``min_epoch`` or later that the most workers
+        published for that epoch."""
+        offers = [(state.epoch, worker) for (f, worker), state in self.states.items()
+                  if f == fragment and worker != exclude and state.epoch >= min_epoch]
+        if not offers:
+            return None
+        epoch = max(e for e, _ in offers)
+        votes = self.digests.get((fragment, epoch), {})
+        if not votes:
+            return None
+        majority, _ = Counter(votes.values()).most_common(1)[0]
+        for e, worker in sorted(offers):
+            state = self.states[(fragment, worker)]
+            if e == epoch and state_digest(state) == majority:
+                return state
+        return None
+
+
 class GroupPort:
     """One worker's fragment, as its round driver sees the world: the simulator reduced the group already.
 
     Every worker runs in lockstep, so nobody is ahead (``swarm_epoch`` is the fragment's own epoch) and a round
-    whose result is missing or skipped is carried, as in the swarm when nobody advanced.
+    whose result is missing or skipped is carried, as in the swarm when nobody advanced. The checksum vote is
+    per fragment: a worker whose fragment state differs from the digest most workers published for that
+    fragment's epoch resyncs that fragment alone from one of them (``FragmentBoard``), and its work becomes the
+    fragment's late work, folded into the fragment's next round.
     """
 
-    def __init__(self, state: OuterState, peers: int) -> None:
-        self.state, self.peers = state, peers
+    def __init__(self, state: OuterState, params: list[torch.Tensor], peers: int, board: FragmentBoard,
+                 fragment: int, worker: int) -> None:
+        self.state, self.params, self.peers = state, params, peers
+        self.board, self.fragment, self.worker = board, fragment, worker
         self.result: RoundResult | None = None
         self.sent: list[torch.Tensor] | None = None
 
@@ -110,7 +162,7 @@ class GroupPort:
         return Observation(epoch, epoch, self.peers, unseen_s=0.0)
 
     def in_minority(self, epoch: int) -> bool:
-        return False  # the workers apply bit-identical results
+        return self.board.minority(self.fragment, epoch, self.worker, self.state)
 
     def swarm_epoch(self) -> int | None:
         return self.state.epoch
@@ -131,10 +183,16 @@ class GroupPort:
         return result
 
     def resync(self, min_epoch: int) -> bool:
-        return False  # lockstep: nobody is ever ahead to download from
+        donor = self.board.donor(self.fragment, min_epoch, self.worker)
+        if donor is None:
+            return False
+        self.state.load_state_tensors({k: t.clone() for k, t in donor.state_tensors().items()}, donor.epoch)
+        self.state.begin(self.params)
+        self.published(self.state.epoch)
+        return True
 
     def published(self, epoch: int, update: object = None) -> None:
-        pass
+        self.board.publish(self.fragment, self.worker, self.state)
 
     def collect(self, epoch: int, timeout: float) -> Collected:
         raise NotImplementedError("streaming rounds overlap through the fragment delay, not --overlap eager")
@@ -165,8 +223,14 @@ class StreamingSimulation:
         self.policy = RoundPolicy(StalenessPolicy(outer.staleness_decay, outer.max_staleness))
         names = [name for name, _ in self.workers[0].local.model.named_parameters()]
         self.groups = assign_fragments(names, [p.numel() for p in self.workers[0].params], outer.fragments)
+        self.board = FragmentBoard()
+        self.members: dict[int, list[int]] = {}
+        """Per fragment, the workers in its last group (the others resync it)."""
         self.ports: list[list[GroupPort]] = []
         self.peers = [self._peer(w, names) for w in self.workers]
+        for ports in self.ports:
+            for port in ports:
+                port.published(0)
         self.reductions = [group_reduction(sim, fragment.state) for fragment in self.peers[0].fragments]
         self.judge = next(w for w in self.workers if w.index not in sim.byzantine)
 
@@ -181,7 +245,7 @@ class StreamingSimulation:
                               k=outer.topk_k)
 
         def make_port(f: int, state: OuterState, params: list[torch.Tensor]) -> GroupPort:
-            ports.append(GroupPort(state, self.sim.workers))
+            ports.append(GroupPort(state, params, self.sim.workers, self.board, f, worker.index))
             return ports[-1]
 
         return StreamingRounds(worker.params, names, self.schedule, self.policy, make_state, make_port,
@@ -190,19 +254,32 @@ class StreamingSimulation:
     def _reduce(self, f: int, step: int, result: StreamingSimResult) -> tuple[int, int]:
         """Take every worker's work of fragment ``f``, reduce it and deliver each its result; returns the bytes
         one peer sends and the reply's bytes."""
-        sent_all, weights, nbytes = [], [], 0
+        sent_all, weights, nbytes, members = [], [], 0, []
+        late: list[tuple[list[torch.Tensor] | None, float, int]] = []
         for worker, peer, ports in zip(self.workers, self.peers, self.ports, strict=True):
             work = peer.sync(f, step)
-            decoded, size = peer.fragments[f].state.encode(work.delta)
+            fragment = peer.fragments[f]
+            if ports[f].in_minority(fragment.state.epoch):
+                continue  # its driver resyncs this fragment instead of averaging (the vote gives it the same answer)
+            members.append(worker.index)
+            self.members[f] = members
+            decoded, size = fragment.state.encode(work.delta)
             nbytes = max(nbytes, size)
             sent_all.append(sent_by(self.sim, worker, decoded))
             weights.append(work.weight)
+            late.append(fragment.driver.pending.late_term(fragment.state.epoch, self.policy.staleness))
             ports[f].sent = work.delta
+        if len(members) < 2:
+            return 0, 0  # no group: every member's driver carries its work
         reduction: GroupReduction = self.reductions[f]
+        if len(members) != self.sim.workers:
+            reduction = GroupReduction(len(members), method=self.sim.aggregation,
+                                       norm_factor=self.sim.norm_outlier_factor,
+                                       values_per_part=reduction.values_per_part)
         mean = reduction.reduce(sent_all, weights)
         record_bans(result, reduction, step)
         for _, sender, _ in reduction.new_bans:  # a rejected part's residual is not sent again
-            feedback = self.peers[sender].fragments[f].state.feedback
+            feedback = self.peers[members[sender]].fragments[f].state.feedback
             if feedback is not None:
                 feedback.reset()
         if reduction.faults:
@@ -210,18 +287,43 @@ class StreamingSimulation:
         reply = self.peers[0].fragments[f].state.codec.reply_codec
         data = [reply.encode(t) for t in mean]
         replied = [reply.decode(d, t.shape) for d, t in zip(data, mean, strict=True)]
-        ids = tuple(peer.peer_id for peer in self.peers)
-        epoch = self.peers[0].fragments[f].state.epoch
-        for ports in self.ports:
+        stale_term = self._late_term(f, late, sum(weights))
+        ids = tuple(self.peers[i].peer_id for i in members)
+        epoch = self.peers[members[0]].fragments[f].state.epoch
+        for i in members:
             delivered = RoundResult(Outcome.AVERAGED, "", epoch, contributors=ids, weights=tuple(weights),
-                                    stale_weights=(0.0,) * len(ids), stalenesses=(0,) * len(ids),
-                                    fresh_mean=replied)
-            ports[f].deliver(ports[f].sent or [], delivered)
+                                    stale_weights=tuple(w for _, w, _ in late),
+                                    stalenesses=tuple(s for _, _, s in late), with_stale=stale_term is not None,
+                                    fresh_mean=replied, stale_term=stale_term)
+            self.ports[i][f].deliver(self.ports[i][f].sent or [], delivered)
         return nbytes, sum(len(d) for d in data)
 
+    def _late_term(self, f: int, late: list[tuple[list[torch.Tensor] | None, float, int]],
+                   fresh_total: float) -> list[torch.Tensor] | None:
+        """The members' late work of fragment ``f`` (after a resync), by the swarm's formula
+        (``swarm.group.GroupPlan.local_scales``, as ``simulate.swarm_mode.SimGroup``): Σ s_j E_j / max(W_f, Σ s_j),
+        each E_j through the codec."""
+        late_total = sum(weight for delta, weight, _ in late if delta is not None)
+        if late_total <= 0:
+            return None
+        codec = self.peers[0].fragments[f].state.codec
+        denominator = max(fresh_total, late_total)
+        term: list[torch.Tensor] | None = None
+        for delta, weight, _ in late:
+            if delta is None:
+                continue
+            sent = [codec.roundtrip(t) for t in delta] if codec.name != "none" else delta
+            if term is None:
+                term = [torch.zeros_like(t, dtype=torch.float32) for t in sent]
+            for out, e in zip(term, sent, strict=True):
+                out.add_(e.float(), alpha=weight / denominator)
+        return term
+
     def _finish(self, f: int, result: StreamingSimResult) -> None:
-        for peer in self.peers:
-            report = peer.finish(f)
+        # The group's members first: a worker the vote left out then finds their new state to download.
+        members = self.members.pop(f, [])
+        for index in [*members, *(i for i in range(len(self.peers)) if i not in members)]:
+            report = self.peers[index].finish(f)
             result.fragment_outcomes[report.outcome.value] = result.fragment_outcomes.get(report.outcome.value, 0) + 1
 
     def _consensus_loss(self) -> float:
@@ -233,7 +335,10 @@ class StreamingSimulation:
                 p.copy_(torch.stack([w.params[index].float() for w in honest]).mean(0))
         return evaluate_model(model, self.judge.local.eval_batches, trainer.device, trainer.amp_dtype)
 
-    def run(self, progress: Callable[[RoundRecord], None] | None = None) -> StreamingSimResult:
+    def run(self, progress: Callable[[RoundRecord], None] | None = None,
+            after_step: Callable[[int], None] | None = None) -> StreamingSimResult:
+        """Run the grid of steps; ``after_step(step)`` is called after each step's rounds (tests inject faults
+        there)."""
         cfg, sim, schedule = self.cfg, self.sim, self.schedule
         H, k, tau = cfg.outer.local_steps, sim.workers, schedule.delay
         judge = self.judge
@@ -272,6 +377,8 @@ class StreamingSimulation:
                 sent += per_peer
                 if tau == 0:
                     self._finish(f, result)
+            if after_step is not None:
+                after_step(step)
             if step == total:
                 # All-reduces still overlapping when training ends are merged as they arrive, so no synced
                 # work is lost to the end of the run.

@@ -236,3 +236,25 @@ def test_fragment_settings_are_validated(changes: dict, message: str) -> None:
 def test_fragments_outside_the_streaming_mode_are_refused() -> None:
     with pytest.raises(ValueError, match="need --mode streaming"):
         run(_sim_cfg(fragments=2), SimConfig(mode="diloco", workers=2, rounds=1))
+
+
+def test_a_drifted_fragment_is_voted_out_resynced_alone_and_its_work_folded_late() -> None:
+    from p2p_diloco.simulate.streaming import StreamingSimulation
+
+    simulation = StreamingSimulation(_sim_cfg(fragments=2), SimConfig(mode="streaming", workers=3, rounds=3))
+    drifted = simulation.peers[2].fragments[1]
+
+    def drift(step: int) -> None:
+        if step == 2:  # after fragment 1's first round: worker 2's copy of it drifts
+            with torch.no_grad():
+                drifted.state.anchors[0].add_(0.01)
+
+    result = simulation.run(after_step=drift)
+    # Fragment 1 at step 6: workers 0 and 1 average, worker 2 (minority) resyncs fragment 1 from them; its work
+    # of that phase is folded into fragment 1's round at step 10. Fragment 0 never noticed.
+    assert result.fragment_outcomes == {"averaged": 3 * 6 - 2, "resynced": 1, "folded_late": 1}
+    for f in range(2):
+        states = [peer.fragments[f].state for peer in simulation.peers]
+        assert len({s.epoch for s in states}) == 1
+        for other in states[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(states[0].anchors, other.anchors, strict=True))
