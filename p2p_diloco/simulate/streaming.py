@@ -8,6 +8,11 @@ and its reply encoding, as the ``diloco`` mode does), and hands each worker's po
 worker's driver runs the fragment's round on it (decisions, outer step, α-merge). With F = 1, τ = 0 and α = 0 the
 run is the ``diloco`` mode's, bit for bit (``tests/unit/test_fragments.py``).
 
+The checksum vote runs per fragment (:class:`FragmentBoard`): after each fragment round every worker publishes
+the digest of that fragment's state at its new epoch; a worker whose fragment differs from what most published
+stays out of the fragment's group, resyncs that fragment alone from a majority worker, and its work of the
+phase is folded late into the fragment's next round, by the swarm's formula.
+
 **Bytes per second per peer.** Each fragment all-reduce moves, per peer, the bandwidth-optimal all-reduce's
 bytes of the codec's exact sizes (:func:`~p2p_diloco.simulate.engine.allreduce_bytes`). With free communication
 (``bandwidth_mbps`` 0) those bytes are spread evenly over the time the schedule gives the all-reduce: the τ
