@@ -207,8 +207,7 @@ class StreamingRounds:
         for f, indices in enumerate(groups):
             own = [params[i] for i in indices]
             state = make_state(f, own)
-            driver = RoundDriver(state, own, policy, make_port(f, state, own), peer_id)
-            driver.merge_alpha = alpha
+            driver = RoundDriver(state, own, policy, make_port(f, state, own), peer_id, merge_alpha=alpha)
             self.fragments.append(Fragment(f, indices, own, state, driver))
 
     def begin(self) -> None:

@@ -131,17 +131,17 @@ class RoundDriver:
         port: the swarm or the simulator.
         peer_id: this peer's id as the port's results name it.
         matchmaking_time_s: an eager peer waits at least this long for the previous round.
+        merge_alpha: α of Streaming DiLoCo's merge (``core.fragments``): an applied outer step leaves the
+            parameters at α·local + (1 − α)·anchors; 0 (plain DiLoCo) sets them to the anchors.
     """
 
     def __init__(self, state: OuterState, params: Sequence[torch.Tensor], policy: RoundPolicy, port: RoundPort,
-                 peer_id: str, matchmaking_time_s: float = 0.0) -> None:
+                 peer_id: str, matchmaking_time_s: float = 0.0, merge_alpha: float = 0.0) -> None:
         self.state, self.params, self.policy, self.port = state, list(params), policy, port
         self.peer_id = peer_id
         self.matchmaking_time_s = matchmaking_time_s
         self.pending = PendingWork()
-        self.merge_alpha = 0.0
-        """α of Streaming DiLoCo's merge (``core.fragments``): an applied outer step leaves the parameters at
-        α·local + (1 − α)·anchors; 0 (plain DiLoCo) sets them to the anchors."""
+        self.merge_alpha = merge_alpha
 
     def begin(self) -> None:
         """Start the inner phase from the anchors (unless the last round carried its work: then train on)."""
