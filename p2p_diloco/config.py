@@ -286,6 +286,33 @@ class OuterConfig:
     eager when the all-reduce costs a noticeable share of a round (slow links, large models); peers' parameters
     then differ by their last own term, and every peer of a run must use the same mode."""
 
+    fragments: int = 1
+    """Streaming DiLoCo (``core.fragments``): split the model into this many fragments that synchronise at
+    staggered times, fragment f every ``local_steps`` steps offset by f·H/F, so a peer sends about 1/F of the
+    model at a time and its peak bandwidth drops about F-fold for the same total bytes. 1 is plain DiLoCo. Layers
+    are dealt out strided (layer i to fragment i mod F), so every fragment holds shallow and deep layers and
+    each synchronisation refreshes a slice of the whole depth (the paper found strided slightly better than
+    contiguous blocks); embeddings, final norm and head go to the lightest fragment, which keeps the largest
+    fragment, and so the peak, near 1/F. F must be at most the model's layer count and at most H. Pick F so that
+    a fragment's all-reduce fits in the link's budget (measurements: BENCHMARKS.md, "Streaming DiLoCo").
+    Simulator only for now: the swarm peer refuses F > 1."""
+
+    fragment_delay: int = 0
+    """τ, inner steps a fragment's all-reduce overlaps: its pseudo-gradient is taken at its sync step and its
+    outer result is merged τ steps later, while training goes on. 0 blocks (the all-reduce must finish at
+    once); larger τ spreads a fragment's bytes over τ steps, lowering the peak further, at the price of τ steps
+    of local work the merge partly overwrites (see ``fragment_alpha``). At most H / F, so a fragment's all-reduce
+    ends before the next fragment's starts (one fragment in flight at a time). Measured (tiny preset, 4 workers,
+    H = 12, F = 4, 3 seeds, fp32): τ = 2 halved the peak again (0.14x DiLoCo's) and cost 0.5% of eval loss."""
+
+    fragment_alpha: float = 0.0
+    """α, how a fragment's outer result merges with the local copy: params ← α·local + (1 − α)·global. 0 takes
+    the global result (with τ = 0 this is DiLoCo exactly); with τ > 0 the local copy holds τ steps of work the
+    global one lacks, and α > 0 keeps part of it. In [0, 1). Measured with τ = 2 (tiny preset, F = 4, 3 seeds):
+    at fp32 α = 0 and 0.5 ended equal (+0.49% and +0.52% against DiLoCo); with the topk-sign codec α = 0.5
+    ended 23% below DiLoCo on a 5-round run, since it keeps local work the sparse codec has not delivered yet,
+    and α = 0 0.9% above. Check α at your run length with the simulator."""
+
     max_staleness: int = 4
     """Late work older than this many rounds is dropped instead of folded in."""
 
@@ -316,6 +343,19 @@ class OuterConfig:
         _check_range("error_feedback_decay", self.error_feedback_decay, 0.0, 1.0)
         if self.overlap not in ("none", "eager"):
             raise ValueError(f"overlap: must be 'none' or 'eager', got {self.overlap!r}")
+        if not 1 <= self.fragments <= 64:
+            raise ValueError(f"fragments: must be in [1, 64], got {self.fragments}")
+        if self.fragments > self.local_steps:
+            raise ValueError(f"fragments: at most local_steps={self.local_steps} (each fragment syncs at its own "
+                             f"step), got {self.fragments}")
+        if not 0 <= self.fragment_delay <= self.local_steps // self.fragments:
+            raise ValueError(f"fragment_delay: must be in [0, local_steps / fragments = "
+                             f"{self.local_steps // self.fragments}] so one fragment's all-reduce ends before the "
+                             f"next one's starts, got {self.fragment_delay}")
+        _check_range("fragment_alpha", self.fragment_alpha, 0.0, 0.999)
+        if self.fragments > 1 and self.overlap != "none":
+            raise ValueError("fragments: Streaming DiLoCo overlaps through --fragment-delay; use it with "
+                             "--overlap none")
         if not 0 <= self.max_staleness <= 1000:
             raise ValueError(f"max_staleness: must be in [0, 1000], got {self.max_staleness}")
         _check_range("staleness_decay", self.staleness_decay, 0.0, 1.0)

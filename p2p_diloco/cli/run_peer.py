@@ -154,6 +154,10 @@ def _main(argv: Sequence[str] | None) -> int:
                                "doctor, export, eval, plot (run_peer SUBCOMMAND --help).", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
+    if (cfg.outer.fragments, cfg.outer.fragment_delay, cfg.outer.fragment_alpha) != (1, 0, 0.0):
+        usage_error(PROG, "--fragments, --fragment-delay and --fragment-alpha: the swarm peer does not synchronise "
+                          "fragments yet (Streaming DiLoCo runs in the simulator: python -m p2p_diloco.simulate "
+                          "--mode streaming); leave them at 1, 0 and 0")
     return_freed_memory()  # before the model exists and the swarm's processes are forked (see host_memory)
     cfg, group = _join_node(cfg)
     lead = group is None or group.lead  # rank 0 of a node (or a one-GPU peer) prints, logs and checkpoints

@@ -107,12 +107,23 @@ class OuterState:
         return decoded, nbytes
 
     @torch.no_grad()
-    def apply(self, aggregate: RoundAggregate, params: Sequence[Tensor] | None = None) -> None:
-        """The round's outer step on the anchors (see :func:`apply_round`), then params = anchors."""
+    def apply(self, aggregate: RoundAggregate, params: Sequence[Tensor] | None = None,
+              keep_local: float = 0.0) -> None:
+        """The round's outer step on the anchors (see :func:`apply_round`), then params = anchors.
+
+        ``keep_local`` (α, Streaming DiLoCo's merge, ``core.fragments``): params ← α·params + (1 − α)·anchors
+        instead, keeping part of the local work done while the all-reduce ran; 0 is the plain copy."""
         apply_round(self.outer, aggregate)
         self.epoch += 1
-        if params is not None:
+        if params is None:
+            return
+        if keep_local == 0.0:
             self.outer.copy_to(params)
+            return
+        for param, anchor in zip(params, self.anchors, strict=True):
+            # lerp(global, local, α) = α·local + (1 − α)·global, in fp32 whatever the weights' dtype.
+            merged = torch.lerp(anchor.to(param.device), param.detach().to(torch.float32), keep_local)
+            param.copy_(merged)
 
     @torch.no_grad()
     def apply_eager(

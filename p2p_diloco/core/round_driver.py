@@ -131,14 +131,17 @@ class RoundDriver:
         port: the swarm or the simulator.
         peer_id: this peer's id as the port's results name it.
         matchmaking_time_s: an eager peer waits at least this long for the previous round.
+        merge_alpha: α of Streaming DiLoCo's merge (``core.fragments``): an applied outer step leaves the
+            parameters at α·local + (1 − α)·anchors; 0 (plain DiLoCo) sets them to the anchors.
     """
 
     def __init__(self, state: OuterState, params: Sequence[torch.Tensor], policy: RoundPolicy, port: RoundPort,
-                 peer_id: str, matchmaking_time_s: float = 0.0) -> None:
+                 peer_id: str, matchmaking_time_s: float = 0.0, merge_alpha: float = 0.0) -> None:
         self.state, self.params, self.policy, self.port = state, list(params), policy, port
         self.peer_id = peer_id
         self.matchmaking_time_s = matchmaking_time_s
         self.pending = PendingWork()
+        self.merge_alpha = merge_alpha
 
     def begin(self) -> None:
         """Start the inner phase from the anchors (unless the last round carried its work: then train on)."""
@@ -152,15 +155,20 @@ class RoundDriver:
         if self.policy.eager:
             self.port.discard("this peer downloaded a new state since")
 
-    def end(self, samples: float, report: RoundReport, inner_seconds: float) -> RoundReport:
-        """Run the round's decisions; fills ``report`` (outcome, group, timings, new epoch) and returns it."""
+    def end(self, samples: float, report: RoundReport, inner_seconds: float,
+            delta: list[torch.Tensor] | None = None) -> RoundReport:
+        """Run the round's decisions; fills ``report`` (outcome, group, timings, new epoch) and returns it.
+
+        ``delta``: the pseudo-gradient taken earlier (Streaming DiLoCo takes it at the fragment's sync step and
+        ends the round τ steps later, ``core.fragments``); by default it is taken now."""
         epoch = self.state.epoch
         weight = self.pending.weight_for(samples)
-        buffers = None if self.policy.eager else self.port.delta_buffers()
-        # Into the averager's buffer when the port has one (no copy on the way to the all-reduce); otherwise
-        # new tensors (the state's reused buffer may still be referenced by the eager overlap).
-        delta = (self.state.pseudo_gradient(self.params, out=buffers) if buffers is not None
-                 else pseudo_gradient(self.state.anchors, self.params))
+        if delta is None:
+            buffers = None if self.policy.eager else self.port.delta_buffers()
+            # Into the averager's buffer when the port has one (no copy on the way to the all-reduce); otherwise
+            # new tensors (the state's reused buffer may still be referenced by the eager overlap).
+            delta = (self.state.pseudo_gradient(self.params, out=buffers) if buffers is not None
+                     else pseudo_gradient(self.state.anchors, self.params))
         seen = self.port.observe(epoch)
         if self.policy.wants_checksum_vote(seen):
             seen = dataclasses.replace(seen, minority=self.port.in_minority(epoch))
@@ -267,7 +275,7 @@ class RoundDriver:
         """The outer step; ``from_swarm``: the aggregate is the swarm round's, every member applies the same
         one, so the port may serve it (a joiner one round behind applies it instead of downloading again)."""
         self.port.withdraw()
-        self.state.apply(aggregate, self.params)
+        self.state.apply(aggregate, self.params, keep_local=self.merge_alpha)
         self.pending.applied()
         self.port.published(self.state.epoch, aggregate if from_swarm else None)
 

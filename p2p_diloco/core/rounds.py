@@ -325,6 +325,9 @@ class RoundReport:
     epoch: int
     outcome: Outcome = Outcome.SKIPPED
     reason: str = ""
+    fragment: int = 0
+    """Streaming DiLoCo (``core.fragments``): the fragment this round synchronised; ``epoch`` is that fragment's.
+    Always 0 without fragments (the whole model is fragment 0)."""
     group_size: int = 0
     contributors: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)

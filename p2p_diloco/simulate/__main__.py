@@ -7,6 +7,7 @@ Example::
     python -m p2p_diloco.simulate --workers 5 --byzantine 4=-20 --aggregation centered-clip
     python -m p2p_diloco.simulate sweep --local-steps 500 --workers 8   # outer lr/momentum for your H, k
     python -m p2p_diloco.simulate --mode swarm --workers 4 --drop-rate 0.5 --fault-seed 1
+    python -m p2p_diloco.simulate --mode streaming --fragments 4 --fragment-delay 2 --fragment-alpha 0.5
 """
 
 from __future__ import annotations
@@ -173,6 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result.total_inner_steps} inner steps, {result.total_bytes_sent_per_worker / 1e6:.3f} MB "
         f"sent per worker, {result.virtual_time_s:.1f} virtual s"
     )
+    if hasattr(result, "peak_bytes_per_s"):
+        print(f"{result.fragments} fragment(s), delay {result.fragment_delay}, alpha {result.fragment_alpha}: "
+              f"{result.peak_bytes_per_s / 1e6:.3f} MB/s peak and {result.mean_bytes_per_s / 1e6:.3f} MB/s mean "
+              f"sent per worker; fragment rounds {result.fragment_outcomes}")
     for peer, outcomes in getattr(result, "outcomes", {}).items():
         print(f"{peer}: {' '.join(o or '-' for o in outcomes)}")
     for ban in result.bans:

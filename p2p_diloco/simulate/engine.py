@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MODES = ("ddp", "diloco", "fedavg", "async", "async-dn", "eager", "swarm")
-ALLREDUCE_MODES = ("diloco", "fedavg", "eager")
+MODES = ("ddp", "diloco", "fedavg", "async", "async-dn", "eager", "swarm", "streaming")
+ALLREDUCE_MODES = ("diloco", "fedavg", "eager", "streaming")
 """Modes whose workers average with each other (the others have a server or average gradients)."""
 
 
@@ -51,8 +51,9 @@ class SimConfig:
     """What to simulate; the training settings themselves come from :class:`TrainConfig`."""
 
     mode: str = "diloco"
-    """One of ddp, diloco, fedavg, async, async-dn, eager, or swarm (DiLoCo rounds run by the swarm's own round
-    policy, under a fault schedule: ``simulate.swarm_mode``)."""
+    """One of ddp, diloco, fedavg, async, async-dn, eager, swarm (DiLoCo rounds run by the swarm's own round
+    policy, under a fault schedule: ``simulate.swarm_mode``), or streaming (Streaming DiLoCo: the model
+    synchronised in ``--fragments`` fragments at staggered times, ``simulate.streaming``)."""
     workers: int = 4
     """k, the number of simulated peers."""
     rounds: int = 10

@@ -7,6 +7,7 @@
 - ``eager``: synchronous rounds whose all-reduce overlaps the next inner phase (Kale et al.).
 - ``swarm``: DiLoCo rounds decided by the swarm's own round policy, with drops, late arrivals, partial groups
   and joiners from a fault schedule (:mod:`p2p_diloco.simulate.swarm_mode`).
+- ``streaming``: Streaming DiLoCo, fragments synchronised at staggered times (:mod:`p2p_diloco.simulate.streaming`).
 
 Equal compute: every mode runs ``rounds x local_steps x workers`` inner steps in total (ddp: the same
 number of per-worker batches), so final losses compare like for like; virtual times then differ.
@@ -41,6 +42,7 @@ from p2p_diloco.simulate.engine import (
     train_round,
 )
 from p2p_diloco.simulate.faults import FaultSchedule
+from p2p_diloco.simulate.streaming import run_streaming
 from p2p_diloco.simulate.swarm_mode import run_swarm
 from p2p_diloco.trainer import InnerTrainer, evaluate_model
 
@@ -279,6 +281,11 @@ def run(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None,
     torch.manual_seed(cfg.run.seed)
     if faults is not None and faults.active and sim.mode != "swarm":
         raise ValueError(f"faults (drops, late arrivals, partial groups, joiners) need --mode swarm, not {sim.mode}")
+    streaming = (cfg.outer.fragments, cfg.outer.fragment_delay, cfg.outer.fragment_alpha) != (1, 0, 0.0)
+    if streaming and sim.mode != "streaming":
+        raise ValueError(f"--fragments, --fragment-delay and --fragment-alpha need --mode streaming, not {sim.mode}")
+    if sim.mode == "streaming":
+        return run_streaming(cfg, sim, progress)
     if sim.mode == "swarm":
         return run_swarm(cfg, sim, faults, progress)
     if sim.mode == "ddp":

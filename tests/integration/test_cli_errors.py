@@ -37,6 +37,7 @@ def _cases(d: Path) -> dict[str, tuple[str, list[str], dict[str, str], str]]:
         "announce port 0": (PEER, ["--announce-maddrs", "/ip4/1.2.3.4/tcp/0"], {}, "explicit port"),
         "unknown aggregation": (PEER, ["--aggregation", "median"], {}, "mean, trimmed-mean, centered-clip"),
         "norm factor too small": (PEER, ["--norm-outlier-factor", "1"], {}, "norm_outlier_factor must be 0"),
+        "fragments in the swarm": (PEER, ["--fragments", "2"], {}, "does not synchronise fragments yet"),
         "weight cap zero": (PEER, ["--max-round-weight", "0"], {}, "max_round_weight must be within"),
         "missing allowed-peers file": (PEER, ["--allowed-peers", str(d / "nope.txt")], {}, "cannot read"),
         "bad allowed-peers line": (PEER, ["--allowed-peers", str(d / "badpeers.txt")], {}, "line 2"),
