@@ -67,7 +67,7 @@ FULL = dict(
 )
 DRY = dict(
     memory=dict(shapes=["tiny"], seq_len=64, batch=2, micro_batch=1, steps=2, weights_dtype="fp32",
-                checkpointing=True, host_rounds=1, host_local_steps=2),
+                checkpointing=True, host_rounds=3, host_local_steps=10),
     throughput=dict(presets=["tiny"], seq_len=64, batch=2, steps=3),
     swarm=dict(model="tiny", seq_len=64, batch=2, local_steps=2, rounds=3),
     simulator=dict(model="tiny", seq_len=32, batch=2, workers=4, local_steps=2, rounds=1, eval_batches=1,
@@ -202,7 +202,10 @@ def section_memory(plan: dict[str, Any], device: str, work: Path, timeout: float
                               timeout=timeout, keep=False, env=[], faults=[], extra=extra)
     host = memory_bench.run(args)
     phases = host["phases"]
-    steady = phases.get("training", {}).get("steady_bytes")
+    # steady: while training; a short run's sampler may catch only its other running phases
+    running = {k: v for k, v in phases.items() if k != "starting"}
+    steady = (running.get("training") or max(running.values(), key=lambda v: v["samples"], default={})).get(
+        "steady_bytes")
     peak = max((p["peak_bytes"] for p in phases.values()), default=None)
     on_host_training = 0 if device.startswith("cuda") else fitted["predicted_device_bytes"]
     predicted_steady = host_bytes(n, peak=False) + on_host_training
