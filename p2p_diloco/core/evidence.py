@@ -10,7 +10,8 @@ epochs and digests):
   *vouched for* itself: members of a group whose all-reduce it completed (they sent parts that passed every
   check at receipt and confirmed the same result), and, for a peer that trusted nobody visible when it loaded
   a verified state, the donor that delivered most of its verified bytes (its lineage is now this peer's
-  own; :func:`credited`). A record costs nothing; a vouch costs taking part in a real round with this peer.
+  own; :func:`credited`), only until this peer's first complete all-reduce (:meth:`Evidence.averaged_with`).
+  A record costs nothing; a vouch costs taking part in a real round with this peer.
 - **A relay earns nothing.** A state or round update that a peer accepted on trusted evidence (a trusted
   donor, or a digest trusted voters published) vouches for nobody new: chunks are content-addressed, so any
   identity can relay the honest swarm's bytes, and crediting it made one relayed manifest and two relayed
@@ -164,6 +165,9 @@ class Evidence:
         self.me = me
         self.configured = frozenset(trusted)
         self.vouched: set[str] = set()
+        self.adopted: set[str] = set()
+        """Donors credited for a state this peer loaded while it trusted nobody visible (:meth:`loaded`): trusted
+        only until this peer completes an all-reduce of its own, see :meth:`averaged_with`."""
         self.unbacked_s, self._clock = unbacked_s, clock
         self._unbacked: dict[str, float] = {}
         """peer id -> until when its (untrusted) claims are ignored."""
@@ -173,11 +177,11 @@ class Evidence:
         """peer id -> failed downloads in a row forgiven to it because it moved on mid-download (``unbacked``)."""
 
     def trusts(self, peer: str) -> bool:
-        return peer in self.configured or peer in self.vouched
+        return peer in self.configured or peer in self.vouched or peer in self.adopted
 
     @property
     def trusted(self) -> frozenset[str]:
-        return self.configured | self.vouched
+        return self.configured | self.vouched | self.adopted
 
     def anchored(self, visible: Iterable[str]) -> bool:
         """Some trusted peer other than this one is among ``visible`` (live progress records)."""
@@ -219,16 +223,30 @@ class Evidence:
     # ------------------------------------------------------------------ what this peer saw
 
     def averaged_with(self, contributors: Iterable[str]) -> None:
-        """A complete all-reduce with ``contributors``: they are vouched for from now on."""
+        """A complete all-reduce with ``contributors``: they are vouched for from now on, and the donors adopted
+        on a download (:meth:`loaded`) are trusted no more, unless they were among them.
+
+        Why the adopted donors go: a newcomer that trusts nobody credits the donor that delivered most of its
+        state, and that identity may be a relay of the honest swarm's bytes (content-addressed chunks prove
+        nothing about who made them). Kept for good, it stayed trusted beside the peers this one then averaged
+        with: its later claim of a future epoch was believed and its own state loaded from it as a trusted
+        donor, and the peers that averaged with this one (vouching for it) followed. The credit exists to
+        anchor a newcomer between its download and its first round (Sybil epochs change nothing for it
+        meanwhile); once it averaged, its groupmates anchor it on evidence of their own."""
+        contributors = [peer for peer in contributors if peer != self.me]
+        if contributors:
+            self.adopted.clear()
         for peer in contributors:
-            if peer != self.me:
-                self.vouched.add(peer)
-                self._unbacked.pop(peer, None)
-                self._strikes.pop(peer, None)
+            self.vouched.add(peer)
+            self._unbacked.pop(peer, None)
+            self._strikes.pop(peer, None)
 
     def adopted_from(self, donor: str) -> None:
-        """This peer loaded ``donor``'s verified state: its lineage is ours now."""
-        self.averaged_with([donor])
+        """This peer loaded ``donor``'s verified state while it trusted nobody visible: ``donor`` anchors it until
+        its first complete all-reduce (:meth:`averaged_with`)."""
+        self.adopted.add(donor)
+        self._unbacked.pop(donor, None)
+        self._strikes.pop(donor, None)
         self._passes.clear()
 
     def loaded(self, delivered: Mapping[str, int], trusted: frozenset[str] | None) -> str | None:
@@ -238,7 +256,7 @@ class Evidence:
         self._passes.clear()
         donor = credited(delivered, trusted)
         if donor is not None:
-            self.averaged_with([donor])
+            self.adopted_from(donor)
         return donor
 
     def unbacked(self, claims: Sequence[Claim], min_epoch: int, served: Mapping[str, int] | None = None,
@@ -272,3 +290,4 @@ class Evidence:
     def forget(self, peer: str) -> None:
         """``peer`` was banned: it is not trusted any more."""
         self.vouched.discard(peer)
+        self.adopted.discard(peer)

@@ -54,6 +54,13 @@ def _step(anchors: list[torch.Tensor], momentum: list[torch.Tensor], fresh: list
     return stepped, list(outer.momentum_buffers())
 
 
+def _declared(averager: RoundAverager) -> object:
+    """This averager's own entry in the donor directory, as the DHT returns it now."""
+    found = averager.dht.get(f"{averager.prefix}.all_averagers", latest=True)
+    entry = found.value.get(averager.peer_id.to_bytes()) if found is not None and isinstance(found.value, dict) else None
+    return getattr(entry, "value", None)
+
+
 def main() -> None:
     maddr, run, workdir, out_path = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     workdir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +113,12 @@ def main() -> None:
         averager.state_sharing_priority = PRIORITY
         publish_checksum(dht, run, epoch + 1, forged_sha, ttl_s=300)
         anchors, momentum, epoch, sha = stepped, new_momentum, epoch + 1, new_sha  # the honest state, followed
+        # reported once its directory entry is readable: the test cuts the honest donors off at this report, and
+        # a declaration still in flight then (stores to frozen DHT nodes) could land after its withdrawal's
+        for _ in range(50):
+            if _declared(averager) == PRIORITY:
+                break
+            time.sleep(0.1)
         report["epoch"] = epoch
         report["poisoned"][str(epoch)] = tensor_manifest(forged).sha
         write_report(out_path, report)

@@ -361,7 +361,6 @@ def test_one_silent_donor_holds_a_manifest_fetch_only_a_grace_after_the_others_a
     reverted to waiting for every donor, the fetch takes the whole timeout (30 s here)."""
     import asyncio
     import time
-
     from concurrent.futures import Future
 
     class _Donors:
