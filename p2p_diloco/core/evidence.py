@@ -143,9 +143,9 @@ def credited(delivered: Mapping[str, int], trusted: frozenset[str] | None) -> st
 
 
 MOVED_ON_PASSES = 3
-"""Failed downloads in a row after which a donor that keeps moving on mid-download is ignored like any other
-(``Evidence.unbacked``). An honest swarm a joiner cannot keep up with is better served by the catch-up path
-(``swarm.catchup``) than by a fourth try; an attacker gets three."""
+"""Failed downloads in a row, whoever served them, after which donors that moved on mid-download are ignored
+like any others (``Evidence.unbacked``). An honest swarm a joiner cannot keep up with is better served by the
+catch-up path (``swarm.catchup``) than by a fourth try; an attacker gets three, however many identities it has."""
 
 
 class Evidence:
@@ -173,8 +173,9 @@ class Evidence:
         """peer id -> until when its (untrusted) claims are ignored."""
         self._strikes: dict[str, int] = {}
         """peer id -> failed downloads its claims caused (doubles the next window)."""
-        self._passes: dict[str, int] = {}
-        """peer id -> failed downloads in a row forgiven to it because it moved on mid-download (``unbacked``)."""
+        self._passes = 0
+        """Failed downloads in a row forgiven because their donors moved on mid-download (``unbacked``), counted
+        for this peer, not per donor: k identities got ``MOVED_ON_PASSES`` forgiven tries each before."""
 
     def trusts(self, peer: str) -> bool:
         return peer in self.configured or peer in self.vouched or peer in self.adopted
@@ -247,13 +248,13 @@ class Evidence:
         self.adopted.add(donor)
         self._unbacked.pop(donor, None)
         self._strikes.pop(donor, None)
-        self._passes.clear()
+        self._passes = 0
 
     def loaded(self, delivered: Mapping[str, int], trusted: frozenset[str] | None) -> str | None:
         """This peer loaded a verified state (or applied a verified round update) whose chunks ``delivered``
         came from (donor -> verified chunks), checked against ``trusted`` (what :meth:`trusted_or_none` said
         when the transfer began). Vouches for :func:`credited`'s choice; returns it, or ``None``."""
-        self._passes.clear()
+        self._passes = 0
         donor = credited(delivered, trusted)
         if donor is not None:
             self.adopted_from(donor)
@@ -269,14 +270,16 @@ class Evidence:
         chunks of before it stopped serving it) whose record in ``now`` (the records read after the download)
         claims a later epoch: it stepped on to the next round's state mid-download, the usual fate of a slow
         or loaded joiner, and ignoring it left the joiner training alone from its own state. A donor that
-        stopped without moving on gets its strike as any other, and so does one forgiven
-        ``MOVED_ON_PASSES`` times in a row (an attacker could serve a few chunks and raise its claim each time;
-        the count starts again once this peer loads a state)."""
+        stopped without moving on gets its strike as any other, and so does every donor once
+        ``MOVED_ON_PASSES`` failed downloads in a row were forgiven (an attacker could serve a few chunks and
+        raise its claim each time; the count starts again once this peer loads a state). The count is this
+        peer's, not each donor's: per donor, k free identities taking turns got 3k forgiven downloads of up to
+        ``state_download_timeout_s`` each, while honest donors of one swarm step on together and share one."""
         now_epochs = {c.peer_id: c.epoch for c in now}
         moved_on = {peer for peer, epoch in (served or {}).items()
-                    if now_epochs.get(peer, -1) > epoch and self._passes.get(peer, 0) < MOVED_ON_PASSES}
-        for peer in moved_on:
-            self._passes[peer] = self._passes.get(peer, 0) + 1
+                    if now_epochs.get(peer, -1) > epoch} if self._passes < MOVED_ON_PASSES else set()
+        if moved_on:
+            self._passes += 1
         now_s, (first, most) = self._clock(), self.unbacked_s
         marked = {}
         for claim in claims:
