@@ -76,7 +76,7 @@ def test_a_poisoned_missed_round_with_a_failed_fallback_leaves_the_peer_on_its_v
     boot, maddr = start_bootstrap(tmp_path)
     # records outlive the cut: c stays anchored on a and b while they are frozen
     args = ("--run-id", "poison", "--max-rounds", "200", "--progress-ttl-s", "120")
-    procs = {n: start_peer(tmp_path, n, maddr, *args, faults=f"slow_steps@{SLOW_EPOCH}=1.5" if n == "c" else "")
+    procs = {n: start_peer(tmp_path, n, maddr, *args, faults=f"slow_steps@{SLOW_EPOCH}=2.5" if n == "c" else "")
              for n in NAMES}
     out = tmp_path / "poisoner.json"
     poisoner = subprocess.Popen([sys.executable, str(POISONER), maddr, "poison", str(tmp_path / "poisoner"),
