@@ -451,3 +451,25 @@ def test_a_donor_credited_by_a_newcomer_is_trusted_only_until_its_first_round() 
     assert lone.trusts("p")
     lone.averaged_with(["me", "p"])
     assert lone.trusts("p") and "p" in lone.vouched and not lone.adopted
+
+
+def test_a_failed_re_download_after_a_failed_catch_up_check_leaves_the_peer_on_its_own_state() -> None:
+    """The download path: a state of epoch 3 arrives while the swarm is at 4, the missed round's update fails
+    its check (it does not lead to the voted state) and the second download fails too. The peer keeps and
+    serves the state it had before, never the downloaded nor the stepped tensors."""
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    base = (download.state_sha256, 3)
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+    lying = SimpleNamespace(base=base, fresh=[t + 1.0 for t in fresh], stale=None, result_sha=swarm_sha,
+                            donor="a", sources=("a",), delivered={"a": 1}, vouching="a")
+    swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=[download, None],
+                          votes={"a": swarm_sha, "b": swarm_sha}, update=lying)
+    port, state = _port(swarm)
+    before = [a.clone() for a in state.anchors]
+    served_before = port.state_digest()
+    assert not port.resync(3)
+    assert [m for m, _ in swarm.downloads] == [3, 4]  # the stepped result failed its check, then no download
+    assert state.epoch == 0 and all(torch.equal(a, b) for a, b in zip(state.anchors, before, strict=True))
+    assert port.state_digest() == served_before and port.state_digest() != swarm_sha
