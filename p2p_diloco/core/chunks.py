@@ -230,3 +230,25 @@ class ServeWait:
     def cut(self) -> None:
         """The wait ended (downloads done or cut off): the next budget accrues from now."""
         self._since = self._clock()
+
+
+MANIFEST_GRACE_S = 1.0
+"""How long, at least, the donors asked for a manifest still get once one of them answered (see
+:func:`manifest_wait_s`)."""
+
+
+def manifest_wait_s(first_s: float | None, timeout: float) -> float:
+    """How long after asking a joiner waits for donors' manifests: ``timeout`` until one answers (``first_s``,
+    seconds after asking, ``None`` while none did), then until ``first_s + max(MANIFEST_GRACE_S, first_s)``,
+    never past ``timeout``.
+
+    Why: waiting for every donor let one directory entry that never answers (a peer gone, or an attacker that
+    accepts the stream and stays silent: entries are free) hold every download and catch-up of every joiner
+    for the whole ``next_chunk_timeout_s`` (30 s by default) before a chunk was asked for; the honest donors
+    had meanwhile stepped on and no longer served the state their manifests described (a joiner behind a
+    dead entry never caught up with a swarm of short rounds, seen in
+    ``tests/integration/test_poisoned_catch_up.py``). Donors that answer on the same network as the first
+    answer within the grace; a slower one merely misses this attempt."""
+    if first_s is None:
+        return timeout
+    return min(timeout, first_s + max(MANIFEST_GRACE_S, first_s))

@@ -10,7 +10,8 @@ epochs and digests):
   *vouched for* itself: members of a group whose all-reduce it completed (they sent parts that passed every
   check at receipt and confirmed the same result), and, for a peer that trusted nobody visible when it loaded
   a verified state, the donor that delivered most of its verified bytes (its lineage is now this peer's
-  own; :func:`credited`). A record costs nothing; a vouch costs taking part in a real round with this peer.
+  own; :func:`credited`), only until this peer's first complete all-reduce (:meth:`Evidence.averaged_with`).
+  A record costs nothing; a vouch costs taking part in a real round with this peer.
 - **A relay earns nothing.** A state or round update that a peer accepted on trusted evidence (a trusted
   donor, or a digest trusted voters published) vouches for nobody new: chunks are content-addressed, so any
   identity can relay the honest swarm's bytes, and crediting it made one relayed manifest and two relayed
@@ -142,9 +143,9 @@ def credited(delivered: Mapping[str, int], trusted: frozenset[str] | None) -> st
 
 
 MOVED_ON_PASSES = 3
-"""Failed downloads in a row after which a donor that keeps moving on mid-download is ignored like any other
-(``Evidence.unbacked``). An honest swarm a joiner cannot keep up with is better served by the catch-up path
-(``swarm.catchup``) than by a fourth try; an attacker gets three."""
+"""Failed downloads in a row, whoever served them, after which donors that moved on mid-download are ignored
+like any others (``Evidence.unbacked``). An honest swarm a joiner cannot keep up with is better served by the
+catch-up path (``swarm.catchup``) than by a fourth try; an attacker gets three, however many identities it has."""
 
 
 class Evidence:
@@ -164,20 +165,24 @@ class Evidence:
         self.me = me
         self.configured = frozenset(trusted)
         self.vouched: set[str] = set()
+        self.adopted: set[str] = set()
+        """Donors credited for a state this peer loaded while it trusted nobody visible (:meth:`loaded`): trusted
+        only until this peer completes an all-reduce of its own, see :meth:`averaged_with`."""
         self.unbacked_s, self._clock = unbacked_s, clock
         self._unbacked: dict[str, float] = {}
         """peer id -> until when its (untrusted) claims are ignored."""
         self._strikes: dict[str, int] = {}
         """peer id -> failed downloads its claims caused (doubles the next window)."""
-        self._passes: dict[str, int] = {}
-        """peer id -> failed downloads in a row forgiven to it because it moved on mid-download (``unbacked``)."""
+        self._passes = 0
+        """Failed downloads in a row forgiven because their donors moved on mid-download (``unbacked``), counted
+        for this peer, not per donor: k identities got ``MOVED_ON_PASSES`` forgiven tries each before."""
 
     def trusts(self, peer: str) -> bool:
-        return peer in self.configured or peer in self.vouched
+        return peer in self.configured or peer in self.vouched or peer in self.adopted
 
     @property
     def trusted(self) -> frozenset[str]:
-        return self.configured | self.vouched
+        return self.configured | self.vouched | self.adopted
 
     def anchored(self, visible: Iterable[str]) -> bool:
         """Some trusted peer other than this one is among ``visible`` (live progress records)."""
@@ -219,26 +224,40 @@ class Evidence:
     # ------------------------------------------------------------------ what this peer saw
 
     def averaged_with(self, contributors: Iterable[str]) -> None:
-        """A complete all-reduce with ``contributors``: they are vouched for from now on."""
+        """A complete all-reduce with ``contributors``: they are vouched for from now on, and the donors adopted
+        on a download (:meth:`loaded`) are trusted no more, unless they were among them.
+
+        Why the adopted donors go: a newcomer that trusts nobody credits the donor that delivered most of its
+        state, and that identity may be a relay of the honest swarm's bytes (content-addressed chunks prove
+        nothing about who made them). Kept for good, it stayed trusted beside the peers this one then averaged
+        with: its later claim of a future epoch was believed and its own state loaded from it as a trusted
+        donor, and the peers that averaged with this one (vouching for it) followed. The credit exists to
+        anchor a newcomer between its download and its first round (Sybil epochs change nothing for it
+        meanwhile); once it averaged, its groupmates anchor it on evidence of their own."""
+        contributors = [peer for peer in contributors if peer != self.me]
+        if contributors:
+            self.adopted.clear()
         for peer in contributors:
-            if peer != self.me:
-                self.vouched.add(peer)
-                self._unbacked.pop(peer, None)
-                self._strikes.pop(peer, None)
+            self.vouched.add(peer)
+            self._unbacked.pop(peer, None)
+            self._strikes.pop(peer, None)
 
     def adopted_from(self, donor: str) -> None:
-        """This peer loaded ``donor``'s verified state: its lineage is ours now."""
-        self.averaged_with([donor])
-        self._passes.clear()
+        """This peer loaded ``donor``'s verified state while it trusted nobody visible: ``donor`` anchors it until
+        its first complete all-reduce (:meth:`averaged_with`)."""
+        self.adopted.add(donor)
+        self._unbacked.pop(donor, None)
+        self._strikes.pop(donor, None)
+        self._passes = 0
 
     def loaded(self, delivered: Mapping[str, int], trusted: frozenset[str] | None) -> str | None:
         """This peer loaded a verified state (or applied a verified round update) whose chunks ``delivered``
         came from (donor -> verified chunks), checked against ``trusted`` (what :meth:`trusted_or_none` said
         when the transfer began). Vouches for :func:`credited`'s choice; returns it, or ``None``."""
-        self._passes.clear()
+        self._passes = 0
         donor = credited(delivered, trusted)
         if donor is not None:
-            self.averaged_with([donor])
+            self.adopted_from(donor)
         return donor
 
     def unbacked(self, claims: Sequence[Claim], min_epoch: int, served: Mapping[str, int] | None = None,
@@ -251,14 +270,16 @@ class Evidence:
         chunks of before it stopped serving it) whose record in ``now`` (the records read after the download)
         claims a later epoch: it stepped on to the next round's state mid-download, the usual fate of a slow
         or loaded joiner, and ignoring it left the joiner training alone from its own state. A donor that
-        stopped without moving on gets its strike as any other, and so does one forgiven
-        ``MOVED_ON_PASSES`` times in a row (an attacker could serve a few chunks and raise its claim each time;
-        the count starts again once this peer loads a state)."""
+        stopped without moving on gets its strike as any other, and so does every donor once
+        ``MOVED_ON_PASSES`` failed downloads in a row were forgiven (an attacker could serve a few chunks and
+        raise its claim each time; the count starts again once this peer loads a state). The count is this
+        peer's, not each donor's: per donor, k free identities taking turns got 3k forgiven downloads of up to
+        ``state_download_timeout_s`` each, while honest donors of one swarm step on together and share one."""
         now_epochs = {c.peer_id: c.epoch for c in now}
         moved_on = {peer for peer, epoch in (served or {}).items()
-                    if now_epochs.get(peer, -1) > epoch and self._passes.get(peer, 0) < MOVED_ON_PASSES}
-        for peer in moved_on:
-            self._passes[peer] = self._passes.get(peer, 0) + 1
+                    if now_epochs.get(peer, -1) > epoch} if self._passes < MOVED_ON_PASSES else set()
+        if moved_on:
+            self._passes += 1
         now_s, (first, most) = self._clock(), self.unbacked_s
         marked = {}
         for claim in claims:
@@ -272,3 +293,4 @@ class Evidence:
     def forget(self, peer: str) -> None:
         """``peer`` was banned: it is not trusted any more."""
         self.vouched.discard(peer)
+        self.adopted.discard(peer)

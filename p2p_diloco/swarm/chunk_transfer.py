@@ -39,7 +39,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.core.chunks import DIGEST_BYTES, ChunkMap, ChunkPlan
+from p2p_diloco.core.chunks import DIGEST_BYTES, ChunkMap, ChunkPlan, manifest_wait_s
 from p2p_diloco.swarm.partial import PartialStore
 
 if TYPE_CHECKING:
@@ -230,10 +230,27 @@ class ChunkTransferMixin:
             except Exception as e:  # noqa: BLE001 - any failure is this donor's
                 return f"no manifest: {type(e).__name__}: {e}"
 
+        # Not a gather of every answer: one silent donor held every joiner for the whole timeout
+        # (core.chunks.manifest_wait_s says how long the others get once one answered).
+        tasks = {asyncio.create_task(one(p)): p for p in peers}
         try:
-            answers = await asyncio.gather(*(one(p) for p in peers))
-            future.set_result(dict(zip(peers, answers, strict=True)))
+            began, first = time.monotonic(), None
+            pending = set(tasks)
+            while pending:
+                left = manifest_wait_s(first, timeout) - (time.monotonic() - began)
+                if left <= 0:
+                    break
+                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if first is None and any(isinstance(t.result(), bytes) for t in done):
+                    first = time.monotonic() - began
+            for task in pending:
+                task.cancel()
+            future.set_result({peer: task.result() if task.done() and not task.cancelled()
+                               else "no manifest: did not answer while the other donors did"
+                               for task, peer in tasks.items()})
         except Exception as e:  # noqa: BLE001 - a plain RuntimeError survives the trip to the host
+            for task in tasks:
+                task.cancel()
             future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
 
     async def _fetch_chunks(self, peers: list[str], sha: str, dest: list[torch.Tensor], n_params: int,

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import hivemind
 from hivemind.dht.schema import SchemaValidator, conbytes
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from pydantic.v1 import BaseModel, StrictBool, ValidationError, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, ValidationError, confloat, conint, constr, create_model
 
 from p2p_diloco.core.evidence import EPOCH_LIMIT
 from p2p_diloco.swarm.protocol import PROTOCOL_VERSION, neighbours, versioned
@@ -84,14 +84,12 @@ class ProgressRecord(BaseModel):
     """``swarm.protocol.PROTOCOL_VERSION``; a record of another version is dropped unread, never banned."""
 
 
-class ProgressSchema(BaseModel):
-    """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress_v2`` key (subkey: a signed subkey); the
-    field is named after the key, :func:`progress_key`."""
-
-    progress_v2: dict[conbytes(regex=SIGNED_SUBKEY_REGEX), Optional[ProgressRecord]]  # type: ignore[valid-type]  # noqa: UP045
-
-
-assert versioned("progress") in ProgressSchema.__fields__, "ProgressSchema's field must follow PROTOCOL_VERSION"
+ProgressSchema = create_model(
+    "ProgressSchema",
+    **{versioned("progress"): (dict[conbytes(regex=SIGNED_SUBKEY_REGEX), Optional[ProgressRecord]], ...)},  # type: ignore[valid-type]  # noqa: UP045
+)
+ProgressSchema.__doc__ = """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress_v2`` key (subkey: a signed subkey); the
+field is named after the key, :func:`progress_key`, so it follows ``PROTOCOL_VERSION`` by construction."""
 
 
 @dataclass(frozen=True)

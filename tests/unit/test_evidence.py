@@ -157,3 +157,17 @@ def test_left_behind_needs_every_believed_peer_past_the_epoch() -> None:
     assert not ev.left_behind(claims, 3)
     # ... and once the trusted peer moved on, this peer is left behind whatever the Sybils say
     assert ev.left_behind([Claim("me", 3), Claim("b", 4), Claim("sybil0", 3)], 3)
+
+
+def test_forgiven_downloads_are_counted_for_the_peer_not_per_donor_identity() -> None:
+    """k Sybils taking turns, each serving a few chunks then raising its claim: per identity they got 3k
+    forgiven failed downloads; now the peer forgives MOVED_ON_PASSES in a row, whoever served them."""
+    ev = Evidence("me", unbacked_s=(60.0, 600.0))
+    for i, sybil in enumerate(SYBILS[:6]):
+        ignored = ev.unbacked([Claim(sybil, 5)], 5, served={sybil: 5}, now=[Claim(sybil, 6)])
+        assert (sybil in ignored) == (i >= MOVED_ON_PASSES), (i, ignored)
+    # honest donors of one swarm step on together: one failed download is one pass for all of them
+    honest = Evidence("me", unbacked_s=(60.0, 600.0))
+    ignored = honest.unbacked([Claim("a", 2), Claim("b", 2)], 2, served={"a": 2, "b": 2},
+                              now=[Claim("a", 3), Claim("b", 3)])
+    assert not ignored and honest._passes == 1

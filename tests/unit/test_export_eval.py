@@ -210,3 +210,36 @@ def test_pushing_the_live_swarms_state_needs_trusted_peers(tmp_path, capsys) -> 
                      str(tmp_path / "out"), "--model", "tiny"])
     assert exit_.value.code == 2
     assert "--push-to-hub from the live swarm needs --trusted-peers" in capsys.readouterr().err
+
+
+def test_export_from_the_swarm_asks_for_the_epoch_and_donors_a_joiner_would_believe(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The export evidence path (``cli.model_source._from_swarm``): a trusted peer at epoch 5 and a Sybil record
+    claiming 10^6. The download asks for epoch 5 with the trusted set, as a joiner would: asking for the largest
+    claim (before) made every honest state "too old" and the export failed."""
+    from types import SimpleNamespace
+
+    import p2p_diloco.cli.model_source as source
+    from p2p_diloco.swarm.dht import ensure_identity
+
+    trusted_id = ensure_identity(str(tmp_path / "t.key"))
+    (tmp_path / "trusted.txt").write_text(f"{trusted_id}\n")
+    cfg = config("--model", "tiny", "--seq-len", "64", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/" + trusted_id,
+                 "--trusted-peers", str(tmp_path / "trusted.txt"))
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    fingerprint = "abcdef0123456789"
+    records = [SimpleNamespace(fingerprint=fingerprint, client_mode=False, peer_id=peer, epoch=epoch)
+               for peer, epoch in ((trusted_id, 5), ("sybil", 10**6))]
+    asked = []
+
+    def download(averager, templates, opt, *, timeout, min_epoch, trusted):  # noqa: ANN001, ANN202
+        asked.append((min_epoch, trusted))
+        return SimpleNamespace(params=[torch.ones(3)], opt_tensors=[], epoch=min_epoch, donor=trusted_id)
+
+    shut = SimpleNamespace(shutdown=lambda: None, peer_id=SimpleNamespace(to_base58=lambda: "me"))
+    monkeypatch.setattr(source, "start_dht", lambda *a, **k: shut)
+    monkeypatch.setattr(source, "RoundAverager", lambda *a, **k: shut)
+    monkeypatch.setattr(source, "fetch_progress", lambda *a: records)
+    monkeypatch.setattr(source, "download_state", download)
+    assert source._from_swarm(cfg, fingerprint, params) == (5, f"peer {trusted_id}")
+    assert asked == [(5, frozenset({trusted_id}))]
+    assert torch.equal(params[0].detach(), torch.ones(3))

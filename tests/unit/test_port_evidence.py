@@ -13,8 +13,10 @@ from test_evidence import SYBILS, Clock  # the same fake clock and Sybil ids as 
 from p2p_diloco.core.delayed import Contribution, StalenessPolicy, aggregate_round
 from p2p_diloco.core.dylu import PHASE_RECORD_MAX_AGE_S
 from p2p_diloco.core.evidence import (
+    Claim,
     Evidence,
     credited,
+    state_verdict,
 )
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import Outcome, RoundResult
@@ -131,7 +133,7 @@ def test_port_times_a_joiners_first_phase_by_how_far_the_swarm_is_into_its_own()
     assert port.resync(4)
     # this peer now trusts its donor a alone, 32 s into epoch 4's phase: b, a stranger, is not believed
     assert port.sync.late_start_s == pytest.approx(32.0)
-    port.evidence.averaged_with(["b"])
+    port.evidence.averaged_with(["a", "b"])  # (a round replaces the download's credit: both must be in it)
     assert port.resync(4)
     # a and b, 32 s and 33 s into the phase; a peer at another epoch and this one do not count
     assert port.sync.late_start_s == pytest.approx(32.5)
@@ -425,3 +427,49 @@ def test_after_a_missed_round_the_first_phase_is_floored_by_the_updates_fetch_ti
     port, state = _port(swarm)
     assert port.resync(3) and state.epoch == 4
     assert port.sync.late_start_s == pytest.approx(7.0)  # the records say 0 s into epoch 4's phase; the fetch, 7
+
+
+def test_a_donor_credited_by_a_newcomer_is_trusted_only_until_its_first_round() -> None:
+    """A newcomer that trusted nobody credits the donor that delivered most of its state: it may be a relay of
+    the honest bytes. Kept for good (before), the relay's later claim of a future epoch was believed and it was
+    a trusted donor for the state it then served; now the newcomer's groupmates replace it once it averaged."""
+    newcomer = Evidence("me")
+    assert newcomer.loaded({"relay": 6, "a": 2}, newcomer.trusted_or_none(["a", "b", "relay"])) == "relay"
+    sybils = [Claim(s, 10**6) for s in SYBILS]
+    # between its download and its first round the credit anchors it: Sybil epochs change nothing
+    assert newcomer.trusts("relay") and newcomer.swarm_epoch([Claim("relay", 7), Claim("a", 7), *sybils]) == 7
+    newcomer.averaged_with(["me", "a", "b"])
+    assert not newcomer.trusts("relay") and newcomer.trusted == frozenset({"a", "b"})
+    claims = [Claim("a", 8), Claim("b", 8), Claim("relay", 1008)]
+    assert newcomer.swarm_epoch(claims) == 8  # the relay's claim of a future epoch is not believed
+    assert newcomer.trusted_or_none(c.peer_id for c in claims) == frozenset({"a", "b"})
+    assert state_verdict("relay", "forged", {}, newcomer.trusted) is not None  # nor is it a trusted donor
+    # a solo round (no other contributor) replaces nobody; a donor that then averaged with it is vouched for
+    lone = Evidence("me")
+    lone.loaded({"p": 3}, None)
+    lone.averaged_with(["me"])
+    assert lone.trusts("p")
+    lone.averaged_with(["me", "p"])
+    assert lone.trusts("p") and "p" in lone.vouched and not lone.adopted
+
+
+def test_a_failed_re_download_after_a_failed_catch_up_check_leaves_the_peer_on_its_own_state() -> None:
+    """The download path: a state of epoch 3 arrives while the swarm is at 4, the missed round's update fails
+    its check (it does not lead to the voted state) and the second download fails too. The peer keeps and
+    serves the state it had before, never the downloaded nor the stepped tensors."""
+    truth, fresh, _ = _swarm_states()
+    download = _download_of(truth, "a")
+    base = (download.state_sha256, 3)
+    truth.apply(aggregate_round([Contribution(fresh, 1.0, 0, "a")]))
+    swarm_sha = state_sha256(truth.anchors, truth.outer.momentum_buffers())
+    lying = SimpleNamespace(base=base, fresh=[t + 1.0 for t in fresh], stale=None, result_sha=swarm_sha,
+                            donor="a", sources=("a",), delivered={"a": 1}, vouching="a")
+    swarm = ScriptedSwarm(claims={"a": 3, "b": 3}, moves_on={"a": 4, "b": 4}, donor=[download, None],
+                          votes={"a": swarm_sha, "b": swarm_sha}, update=lying)
+    port, state = _port(swarm)
+    before = [a.clone() for a in state.anchors]
+    served_before = port.serving.state_digest()
+    assert not port.resync(3)
+    assert [m for m, _ in swarm.downloads] == [3, 4]  # the stepped result failed its check, then no download
+    assert state.epoch == 0 and all(torch.equal(a, b) for a, b in zip(state.anchors, before, strict=True))
+    assert port.serving.state_digest() == served_before and port.serving.state_digest() != swarm_sha

@@ -13,7 +13,14 @@ import pytest
 import torch
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.core.chunks import CHUNK_BYTES, ChunkMap, ChunkPlan, ServeWait
+from p2p_diloco.core.chunks import (
+    CHUNK_BYTES,
+    MANIFEST_GRACE_S,
+    ChunkMap,
+    ChunkPlan,
+    ServeWait,
+    manifest_wait_s,
+)
 from p2p_diloco.swarm.checksum import (
     combine_state_sha,
     manifest_sha,
@@ -21,7 +28,7 @@ from p2p_diloco.swarm.checksum import (
     state_sha256,
     tensor_manifest,
 )
-from p2p_diloco.swarm.chunk_transfer import read_chunk, state_chunk_map, write_chunk
+from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin, read_chunk, state_chunk_map, write_chunk
 from p2p_diloco.swarm.partial import PartialStore
 from p2p_diloco.swarm.state import StateServer, check_state_metadata, download_state, make_state_metadata
 
@@ -339,3 +346,36 @@ def test_a_donor_listed_first_that_sent_a_bad_chunk_earns_nothing(monkeypatch: A
     assert state.delivered == {"good": 3} and state.donor == "good"  # its verified chunk counts for nothing
     assert credited(state.delivered, None) == "good"  # a newcomer would vouch for the donor that delivered
     assert any(line.startswith("bad: chunk 2 failed its hash") for line in state.rejected)
+
+
+def test_manifests_are_awaited_a_grace_after_the_first_answer_never_the_whole_timeout() -> None:
+    assert manifest_wait_s(None, 30.0) == 30.0  # nobody answered yet: the whole timeout
+    assert manifest_wait_s(0.01, 30.0) == pytest.approx(0.01 + MANIFEST_GRACE_S)
+    assert manifest_wait_s(4.0, 30.0) == 8.0  # a slow network: as long again as the first answer took
+    assert manifest_wait_s(20.0, 30.0) == 30.0
+
+
+@pytest.mark.timeout(60)
+def test_one_silent_donor_holds_a_manifest_fetch_only_a_grace_after_the_others_answered() -> None:
+    """The averager process's fetch of manifests, with a donor that accepts the stream and never answers:
+    reverted to waiting for every donor, the fetch takes the whole timeout (30 s here)."""
+    import asyncio
+    import time
+    from concurrent.futures import Future
+
+    class _Donors:
+        async def _request(self, peer: str, sha: str | None, index: int, max_bytes: int) -> tuple[bytes, bytes]:
+            if peer == "silent":
+                await asyncio.sleep(3600)
+            if peer == "empty":
+                raise ValueError("sent nothing")
+            return b"manifest of " + peer.encode(), b""
+
+    future: Future = Future()
+    began = time.monotonic()
+    asyncio.run(ChunkTransferMixin._fetch_manifests(_Donors(), ["silent", "honest", "empty"],  # type: ignore[arg-type]
+                                                     timeout=30.0, max_bytes=1024, base=None, future=future))
+    answers = future.result(timeout=1)
+    assert time.monotonic() - began < 29.0  # bounded by the grace, with room for a loaded machine
+    assert answers["honest"] == b"manifest of honest"
+    assert answers["silent"].startswith("no manifest") and answers["empty"].startswith("no manifest")
