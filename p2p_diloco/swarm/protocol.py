@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """1: every release before the version existed (names without it). 2: progress records carry ``phase_s``
-and ``protocol``."""
+and ``protocol``. 3: each round matches under a key of its own epoch (:func:`round_group_bits`); a peer of
+version 2 declares under the old key and would never meet one of version 3 in a group, so the two are told
+apart by their names and refused with a log line instead."""
 
 
 def versioned(name: str, protocol: int = PROTOCOL_VERSION) -> str:

@@ -88,7 +88,7 @@ ProgressSchema = create_model(
     "ProgressSchema",
     **{versioned("progress"): (dict[conbytes(regex=SIGNED_SUBKEY_REGEX), Optional[ProgressRecord]], ...)},  # type: ignore[valid-type]  # noqa: UP045
 )
-ProgressSchema.__doc__ = """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress_v2`` key (subkey: a signed subkey); the
+ProgressSchema.__doc__ = """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress_v<PROTOCOL_VERSION>`` key (subkey: a signed subkey); the
 field is named after the key, :func:`progress_key`, so it follows ``PROTOCOL_VERSION`` by construction."""
 
 
