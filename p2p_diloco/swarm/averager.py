@@ -17,11 +17,13 @@ the aggregation of a formed group (``_aggregate_with_group``), both in ``round_p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import ClassVar
 
 import hivemind
 import torch
@@ -33,6 +35,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from p2p_diloco.core.bounds import l2_norm
 from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.rounds import Outcome, RoundResult
+from p2p_diloco.swarm import commands
 from p2p_diloco.swarm.access import AccessControlMixin
 from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin
 from p2p_diloco.swarm.claims import sign_gather, signing_key
@@ -332,12 +335,26 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             logger.warning("Could not ban %s: the averager process is not running", peer_id)
             future.set_result(None)
             return future
-        self._outer_pipe.send(("_ban_requested", [], dict(peer_id=peer_id, reason=reason, future=future)))
+        commands.send(self._outer_pipe, commands.Ban(peer_id, reason, future))
         return future
 
     async def _ban_requested(self, peer_id: str, reason: str, future: MPFuture) -> None:
         self._ban({peer_id: reason})
         future.set_result(None)
+
+    COMMANDS: ClassVar[dict[type, str]] = {
+        commands.Step: "_step",
+        commands.Ban: "_ban_requested",
+        commands.FetchManifests: "_fetch_manifests",
+        commands.FetchChunks: "_fetch_chunks",
+    }
+    """The one table of what the training process may ask of the averager process (``swarm.commands``): the
+    command's type -> the handler that runs it there, with the command's fields as its keyword arguments."""
+
+    async def _run_command(self, command: commands.Command) -> None:
+        """Averager process: run one command from the training process (see ``swarm.commands``)."""
+        handler = getattr(self, self.COMMANDS[type(command)])
+        await handler(**{f.name: getattr(command, f.name) for f in dataclasses.fields(command)})
 
     @contextlib.contextmanager
     def _locked_buffers(self, timeout: float) -> Iterator[Sequence[torch.Tensor] | None]:
@@ -364,9 +381,8 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             data_for_gather=data_for_gather,
         )
         future_for_init = MPFuture()
-        self._outer_pipe.send(("_step", [], dict(step=control, future_for_init=future_for_init, due=due,
-                                                 allreduce_timeout=deadlines.allreduce_s, stale=stale,
-                                                 step_back=step_back, epoch=epoch)))
+        commands.send(self._outer_pipe, commands.Step(control, future_for_init, due, deadlines.allreduce_s, stale,
+                                                      step_back, epoch))
         try:
             trigger, cancel = future_for_init.result(timeout=self.cfg.startup_timeout_s)
         except BaseException:

@@ -27,7 +27,7 @@ import hashlib
 import logging
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
@@ -40,6 +40,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.core.chunks import DIGEST_BYTES, ChunkMap, ChunkPlan, manifest_wait_s
+from p2p_diloco.swarm import commands
 from p2p_diloco.swarm.partial import PartialStore
 
 if TYPE_CHECKING:
@@ -125,20 +126,35 @@ class ChunkTransferMixin:
     """``rpc_state_chunk`` and the chunk fetcher, mixed into ``RoundAverager`` after ``StateSharingMixin``."""
 
     _served_cache: _Served | None = None
+    # What this mixin uses of the classes it is mixed with (annotations only: the values are theirs).
+    # hivemind's DecentralizedAverager (its private names are in tests/unit/test_hivemind_internals.py):
+    allow_state_sharing: bool
+    prefix: str
+    next_chunk_timeout: float | None
+    get_stub: Callable[..., Any]
+    _p2p: Any
+    _outer_pipe: Any
+    _get_current_state_from_host_process: Callable[[], Awaitable[tuple[Any, Any, Any]]]
+    # StateSharingMixin's shared counters (multiprocessing.Value) and RoundAverager's fault hook:
+    _state_version: Any
+    _streams_open: Any
+    _manifests_served: Any
+    _last_chunk_served: Any
+    _fault_hook: Callable[[str], Any]
 
     async def _served(self, version: int) -> _Served | None:
         cache = self._served_cache
         if cache is not None and cache.version == version:
             return cache
         self._served_cache = None
-        if not self.allow_state_sharing:  # type: ignore[attr-defined]
+        if not self.allow_state_sharing:
             return None
         try:
-            metadata, tensors, _ = await self._get_current_state_from_host_process()  # type: ignore[attr-defined]
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
         except Exception as e:  # noqa: BLE001 - withdrawn meanwhile: not served
             logger.debug("No state to serve: %r", e)
             return None
-        if self._state_version.value != version:  # type: ignore[attr-defined]
+        if self._state_version.value != version:
             return None
         cache = self._served_cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
         return cache
@@ -150,36 +166,36 @@ class ChunkTransferMixin:
         if parsed is None:
             return
         sha, index = parsed
-        with self._streams_open.get_lock():  # type: ignore[attr-defined]
-            self._streams_open.value += 1  # type: ignore[attr-defined]
+        with self._streams_open.get_lock():
+            self._streams_open.value += 1
         try:
-            version = self._state_version.value  # type: ignore[attr-defined]
+            version = self._state_version.value
             served = await self._served(version)
             if served is None:
                 return
             if index == MANIFEST:
                 manifest = served.manifests.get(sha)
                 if manifest is not None:
-                    with self._manifests_served.get_lock():  # type: ignore[attr-defined]
-                        self._manifests_served.value += 1  # type: ignore[attr-defined]
+                    with self._manifests_served.get_lock():
+                        self._manifests_served.value += 1
                     yield averaging_pb2.DownloadData(metadata=manifest)
                 return
             found = served.objects.get(sha)
             if found is None or index >= found[1].count:
                 return
             data = read_chunk(*found, index)
-            self._fault_hook("state_chunk")  # type: ignore[attr-defined]
+            self._fault_hook("state_chunk")
             for offset in range(0, len(data), PART_BYTES):
-                if self._state_version.value != version:  # type: ignore[attr-defined]
+                if self._state_version.value != version:
                     logger.info("Stopped serving a state chunk: this peer's state changed meanwhile")
                     return
                 yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(
                     buffer=data[offset:offset + PART_BYTES]))
-            self._last_chunk_served.value = time.time()  # type: ignore[attr-defined]
+            self._last_chunk_served.value = time.time()
         finally:
-            with self._streams_open.get_lock():  # type: ignore[attr-defined]
-                self._streams_open.value -= 1  # type: ignore[attr-defined]
-                if self._streams_open.value == 0:  # type: ignore[attr-defined]
+            with self._streams_open.get_lock():
+                self._streams_open.value -= 1
+                if self._streams_open.value == 0:
                     self._served_cache = None  # holds no old tensors alive once nobody downloads
 
     # ------------------------------------------------------------------ fetching (host side)
@@ -189,8 +205,7 @@ class ChunkTransferMixin:
         """Each donor's raw state manifest (msgpack, at most ``max_bytes``), or why there is none; with
         ``base``, the manifest of the update it serves from state ``base`` to its own."""
         future = MPFuture()
-        self._outer_pipe.send(("_fetch_manifests", [], dict(  # type: ignore[attr-defined]
-            peers=list(peers), timeout=timeout, max_bytes=max_bytes, base=base, future=future)))
+        commands.send(self._outer_pipe, commands.FetchManifests(list(peers), timeout, max_bytes, base, future))
         return future.result(timeout=timeout + _GRACE_S)
 
     def fetch_chunks(self, peers: Sequence[str], sha: str, dest: Sequence[torch.Tensor], n_params: int,
@@ -199,19 +214,19 @@ class ChunkTransferMixin:
         ``digests`` and written into ``dest`` (shared-memory tensors), and kept in ``partial`` if given.
         Returns ``done`` (chunk indices now held) and ``dropped`` (donor -> reason)."""
         future = MPFuture()
-        self._outer_pipe.send(("_fetch_chunks", [], dict(  # type: ignore[attr-defined]
-            peers=list(peers), sha=sha, dest=list(dest), n_params=n_params, digests=digests, have=sorted(have),
-            partial=str(partial) if partial else None, timeout=timeout, future=future)))
+        commands.send(self._outer_pipe, commands.FetchChunks(
+            list(peers), sha, list(dest), n_params, digests, sorted(have), str(partial) if partial else None, timeout,
+            future))
         return future.result(timeout=timeout + _GRACE_S)
 
     # ------------------------------------------------------------------ fetching (averager process)
 
     async def _request(self, peer: str, sha: str | None, index: int, max_bytes: int) -> tuple[bytes, bytes]:
         """(metadata, data) of one answer, at most ``max_bytes`` in all; raises when the donor sent nothing."""
-        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)  # type: ignore[attr-defined]
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
         stream = await stub.rpc_state_chunk(averaging_pb2.DownloadData(metadata=encode_request(sha, index)))
         metadata, parts, received = b"", [], 0
-        async for message in aiter_with_timeout(stream, self.next_chunk_timeout):  # type: ignore[attr-defined]
+        async for message in aiter_with_timeout(stream, self.next_chunk_timeout):
             received += len(message.metadata) + len(message.tensor_part.buffer)
             if received > max_bytes:
                 raise ValueError(f"sent more than the expected {max_bytes} bytes")

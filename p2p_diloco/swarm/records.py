@@ -86,6 +86,7 @@ class ProgressRecord(BaseModel):
 
 ProgressSchema = create_model(
     "ProgressSchema",
+    __module__=__name__,  # pickled by name into the DHT's process: it must be found here, not in pydantic
     **{versioned("progress"): (dict[conbytes(regex=SIGNED_SUBKEY_REGEX), Optional[ProgressRecord]], ...)},  # type: ignore[valid-type]  # noqa: UP045
 )
 ProgressSchema.__doc__ = """hivemind ``SchemaValidator`` schema of the ``{run_id}_progress_v<PROTOCOL_VERSION>`` key (subkey: a signed subkey); the

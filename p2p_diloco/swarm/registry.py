@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hivemind.averaging.group_info import GroupInfo
@@ -26,6 +26,7 @@ class GroupRegistryMixin:
 
     _running_groups: dict[bytes, Any]
     _pending_groups_registered: asyncio.Event
+    is_alive: Callable[[], bool]  # multiprocessing.Process's, through hivemind's DecentralizedAverager
 
     def shutdown(self) -> None:
         """hivemind's shutdown, quiet when the averager process has stopped already.
@@ -34,7 +35,7 @@ class GroupRegistryMixin:
         Ctrl+C) reaches the averager process too, and it may be gone before the host's own shutdown runs;
         hivemind logs that as an error with a traceback, which here is the normal way to stop.
         """
-        if not self.is_alive():  # type: ignore[attr-defined]
+        if not self.is_alive():
             logger.debug("The averager process had stopped already")
             return
         super().shutdown()  # type: ignore[misc]

@@ -124,6 +124,11 @@ class StateSharingMixin:
     shared memory, read and written by both processes."""
 
     _state_provider: StateProvider | None = None
+    # What this mixin uses of hivemind's DecentralizedAverager (annotations only: the values are hivemind's).
+    allow_state_sharing: bool
+    prefix: str
+    dht: Any
+    peer_id: PeerID
 
     def init_state_sharing(self) -> None:
         self._state_version = mp.Value(ctypes.c_int64, 0)
@@ -161,7 +166,7 @@ class StateSharingMixin:
     def set_state_provider(self, provider: StateProvider | None) -> None:
         """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
         self._state_provider = provider
-        self.allow_state_sharing = provider is not None  # type: ignore[attr-defined]
+        self.allow_state_sharing = provider is not None
 
     def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
         """Called by hivemind in this (host) process when a peer downloads our state."""
@@ -173,8 +178,8 @@ class StateSharingMixin:
 
     def state_donors(self) -> list[tuple[str, float]]:
         """Peers announcing shareable state for this run and model: ``(peer id, priority)``, best first."""
-        key = f"{self.prefix}.all_averagers"  # type: ignore[attr-defined]
-        found = self.dht.get(key, latest=True, return_future=True).result(timeout=30)  # type: ignore[attr-defined]
+        key = f"{self.prefix}.all_averagers"
+        found = self.dht.get(key, latest=True, return_future=True).result(timeout=30)
         if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
             return []
         donors = []
@@ -193,7 +198,7 @@ class StateSharingMixin:
             allowed = getattr(self, "_allowed", None)
             if allowed is not None and peer.to_base58() not in allowed:
                 continue  # a private swarm takes state only from its own members
-            if peer != self.peer_id:  # type: ignore[attr-defined]
+            if peer != self.peer_id:
                 donors.append((peer.to_base58(), float(priority), random.random()))
         return [(peer, priority) for peer, priority, _ in sorted(donors, key=lambda d: (-d[1], d[2]))]
 

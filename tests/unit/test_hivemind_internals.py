@@ -49,7 +49,7 @@ METHODS = [
     (P2P, "_make_process_args", "swarm/relay.py wraps it (adds -relayDiscovery=0 for static relays)"),
 ]
 FIELDS = [
-    (DecentralizedAverager, "_outer_pipe", "swarm/averager.py, swarm/state.py send commands through it"),
+    (DecentralizedAverager, "_outer_pipe", "swarm/commands.py sends our commands through it"),
     (DecentralizedAverager, "_inner_pipe", "swarm/averager.py makes its reads blocking (uvloop made them not)"),
     (DecentralizedAverager, "_averaged_tensors", "swarm/averager.py reads the buffers back"),
     (DecentralizedAverager, "_matchmaking", "swarm/averager.py, round_process.py, access.py, patience.py"),
@@ -194,6 +194,14 @@ def test_the_swarm_layer_uses_no_other_hivemind_private_name() -> None:
             used.setdefault(name, path.name)
     unnamed = {n: f for n, f in used.items() if n in theirs and n not in named and n not in ours_defined}
     assert not unnamed, f"hivemind private names used but not listed in this tripwire: {unnamed}"
+
+
+def test_the_averager_process_runs_a_command_by_its_method_name() -> None:
+    """``swarm/commands.py`` sends ``(name, args, kwargs)`` and relies on hivemind's background loop running
+    ``getattr(self, name)(*args, **kwargs)`` as a task (our commands all go to ``RoundAverager._run_command``)."""
+    loop = inspect.getsource(DecentralizedAverager._run_internal)
+    assert "method, args, kwargs = self._inner_pipe.recv()" in loop, "the command pipe's protocol changed"
+    assert "getattr(self, method)(*args, **kwargs)" in loop, "commands are no longer run by method name"
 
 
 def test_a_peer_that_steps_back_declares_late_and_so_follows() -> None:

@@ -1,0 +1,81 @@
+"""The commands the training process sends to the averager process, as types.
+
+``RoundAverager`` is a hivemind ``DecentralizedAverager``: a ``multiprocessing.Process`` whose background loop
+reads ``(method name, args, kwargs)`` from a pipe and runs ``getattr(self, name)(*args, **kwargs)``. Ours cross
+it as one of the dataclasses below, always under the one name :data:`DISPATCH` (``RoundAverager._run_command``
+looks the handler up by the command's type in its one table, ``RoundAverager.COMMANDS``), so what the training
+side may ask of the averager process is this module, and a misspelt or mistyped command fails where it is built
+(a dataclass without that field), not as an ``AttributeError`` in the other process. hivemind's own commands
+(its ``_shutdown`` and the state requests it sends itself) keep its names.
+
+Each carries an ``MPFuture`` the averager process resolves; tensors travel as shared-memory handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind.averaging.control import StepControl
+from hivemind.utils import MPFuture
+
+DISPATCH = "_run_command"
+"""The method name every command of ours is sent under (``RoundAverager._run_command``)."""
+
+
+@dataclass
+class Step:
+    """Run one round (``round_process.RoundProcessMixin._step``): matchmaking, plan, all-reduce."""
+
+    step: StepControl
+    future_for_init: MPFuture
+    due: tuple[str, ...]
+    allreduce_timeout: float
+    stale: list[torch.Tensor] | None
+    step_back: bool
+    epoch: int | None
+    """The round's epoch: it declares under that epoch's matchmaking key (``protocol.use_round_key``)."""
+
+
+@dataclass
+class Ban:
+    """Ban a peer for the rest of the run in the averager process (matchmaking, all-reduce, state serving)."""
+
+    peer_id: str
+    reason: str
+    future: MPFuture
+
+
+@dataclass
+class FetchManifests:
+    """Each donor's raw state manifest (or, with ``base``, its update's), at most ``max_bytes``."""
+
+    peers: list[str]
+    timeout: float
+    max_bytes: int
+    base: str | None
+    future: MPFuture
+
+
+@dataclass
+class FetchChunks:
+    """The chunks of state ``sha`` not in ``have``, each checked against ``digests``, into ``dest``."""
+
+    peers: list[str]
+    sha: str
+    dest: list[torch.Tensor]
+    n_params: int
+    digests: bytes
+    have: list[int]
+    partial: str | None
+    timeout: float
+    future: MPFuture
+
+
+Command = Step | Ban | FetchManifests | FetchChunks
+
+
+def send(pipe: Any, command: Command) -> None:
+    """Send ``command`` to the averager process through hivemind's command pipe (its ``_outer_pipe``)."""
+    pipe.send((DISPATCH, [command], {}))
