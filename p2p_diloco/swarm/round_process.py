@@ -116,6 +116,8 @@ class RoundProcessMixin:
             group_info = await matchmaking
             waited = time.monotonic() - began
             if group_info is None:
+                if step.done():  # cancelled by the trainer as the search ended: nothing to report
+                    return
                 others = tuple(sorted(set(due) - {self.peer_id.to_base58()}))
                 step.set_result(RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s",
                                             wait_seconds=waited, due_members=formed.due,
