@@ -192,43 +192,71 @@ class ChunkPlan:
 
 
 SERVE_WAIT_SHARE = 0.15
-"""The most a donor waits for downloads of its state before it changes it, as a share of the time it worked
-since it last did (:class:`ServeWait`). It bounds what anybody downloading from it can cost its round: 1.15x
-at worst from the waits, whatever the downloader does (serving costs bandwidth and CPU on top). Why not less:
-a joiner whose download outlasts it is cut at the round's end and starts over on the new state right away,
-from the moment it is served, so a download shorter than a round completes on its second try at the latest;
-the share is slack for one that began late in the round, and it is what lets a loopback swarm's sub-second
-downloads finish within rounds of a few seconds."""
+"""The most a donor waits for downloads of its state before it changes it, per second it worked (:class:`ServeWait`).
+It bounds what anybody downloading from it can cost its rounds: 1.15x at worst from the waits over any long
+stretch, whatever the downloaders do (serving costs bandwidth and CPU on top), plus one burst of at most
+:data:`SERVE_WAIT_BURST_S`."""
+
+SERVE_WAIT_BURST_S = SERVE_WAIT_SHARE * 1800.0
+"""270 s: the most budget a donor saves up while nobody downloads, so that a joiner gets a whole download's
+time even from a swarm whose rounds are shorter than the download (it is one burst, then the share again).
+
+Why a saved-up budget at all: a budget of 15% of the round alone starves every joiner of a swarm whose rounds
+are short next to a download. A loopback swarm steps about twice a second, so each round allowed a joiner
+0.1 s while downloading its few MB took 0.5-2 s: the download was cut off every round, and a peer that fell
+a few rounds behind (a slow first round, a client behind NAT, a victim refusing a poisoner) never caught up.
+Saved up, the donors that trained 20 s before the joiner came hold 3 s for it. Why 270 s (the share of 30
+minutes of work): at 1B parameters a round is minutes long and a home download of the state is minutes too,
+so a joiner after a quiet half hour gets up to 4.5 minutes from each donor; and the worst anybody can cost a
+donor is that one burst over and above the share, once per 30 minutes of its work."""
 
 
 class ServeWait:
-    """How long a donor may still hold its round for the downloads of its state it serves: a per-round budget
+    """How long a donor may still hold its round for the downloads of its state it serves: a token bucket
     no downloader can stretch.
 
     Why not the joiner's own download limit (``state_download_timeout_s``, 600 s): that waited for any open
     chunk stream, or a chunk served in the last 2 s, to anyone. One free identity fetching a chunk every
     second kept it waiting the whole limit every round (measured: rounds of 0.7 s became 33 s at a 30 s limit).
-    Counting who downloads does not help either, as identities are free. The budget is instead a share of the
-    time the donor worked since its last cut (:meth:`cut`), which excludes the waits themselves, so however
-    long someone keeps downloading, the donor's rounds take at most ``1 + share`` times as long.
+    Counting who downloads does not help either, as identities are free. The budget instead accrues at
+    ``share`` per second the donor worked (the waits themselves excluded), saves up to ``burst_s`` and is
+    spent by the seconds actually waited (:meth:`spend`). However long and however many identities keep
+    downloading, the waits add up to at most ``burst_s + share * (time worked)``.
 
     Args:
         share: the budget per second worked (:data:`SERVE_WAIT_SHARE`).
+        burst_s: the most budget saved up (:data:`SERVE_WAIT_BURST_S`); 0 gives every round only its own
+            share of the time worked since the previous wait.
         clock: monotonic seconds (the simulator passes its virtual clock).
     """
 
-    def __init__(self, share: float = SERVE_WAIT_SHARE, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, share: float = SERVE_WAIT_SHARE, burst_s: float = SERVE_WAIT_BURST_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"the serving wait's share must be in [0, 1], got {share}")
-        self.share, self._clock = share, clock
+        if not 0.0 <= burst_s < float("inf"):
+            raise ValueError(f"the serving wait's burst must be a finite number of seconds >= 0, got {burst_s}")
+        self.share, self.burst_s, self._clock = share, burst_s, clock
         self._since = clock()
+        self._saved = 0.0
+        self._granted: float | None = None  # the budget when the wait in progress began
+
+    def _budget(self) -> float:
+        earned = self.share * max(0.0, self._clock() - self._since)
+        return min(max(self.burst_s, earned), self._saved + earned)
 
     def allowance(self, limit: float) -> float:
-        """Seconds the donor may wait now: ``share`` of the time since the last :meth:`cut`, at most ``limit``."""
-        return max(0.0, min(limit, self.share * (self._clock() - self._since)))
+        """Seconds the donor may wait now, at most ``limit``: what it saved plus ``share`` of the time it worked
+        since its last wait, saved up to ``burst_s`` (or that share alone, if more: a long round always gets
+        its own). End the wait that follows with :meth:`spend`."""
+        self._granted = self._budget()
+        return max(0.0, min(limit, self._granted))
 
-    def cut(self) -> None:
-        """The wait ended (downloads done or cut off): the next budget accrues from now."""
+    def spend(self, waited_s: float) -> None:
+        """The wait that followed :meth:`allowance` ended (downloads done or cut off) after ``waited_s``: it is
+        taken from the budget, and the time it took is not work."""
+        budget = self._granted if self._granted is not None else self._budget()
+        self._saved, self._granted = max(0.0, budget - max(0.0, waited_s)), None
         self._since = self._clock()
 
 

@@ -139,7 +139,7 @@ class ChunkTransferMixin:
     _state_version: Any
     _streams_open: Any
     _manifests_served: Any
-    _last_chunk_served: Any
+    _last_served: Any
     _fault_hook: Callable[[str], Any]
 
     async def _served(self, version: int) -> _Served | None:
@@ -178,6 +178,11 @@ class ChunkTransferMixin:
                 if manifest is not None:
                     with self._manifests_served.get_lock():
                         self._manifests_served.value += 1
+                    # A joiner holding a manifest is downloading: it asks for chunks once the other donors it
+                    # asked answered (core.chunks.manifest_wait_s). Unpinned, a donor of sub-second rounds
+                    # changed its state in that gap, and every chunk request found another state (seen: a
+                    # joiner failed 6 downloads in a row, 0 chunks each, in test_poisoned_catch_up.py).
+                    self._last_served.value = time.time()
                     yield averaging_pb2.DownloadData(metadata=manifest)
                 return
             found = served.objects.get(sha)
@@ -191,7 +196,7 @@ class ChunkTransferMixin:
                     return
                 yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(
                     buffer=data[offset:offset + PART_BYTES]))
-            self._last_chunk_served.value = time.time()
+            self._last_served.value = time.time()
         finally:
             with self._streams_open.get_lock():
                 self._streams_open.value -= 1

@@ -5,9 +5,9 @@ Serving: a donor announces itself under ``{prefix}.all_averagers`` with its epoc
 state protocol) and answers ``rpc_state_chunk`` (``swarm.chunk_transfer``) with its manifest (msgpack
 metadata and the sha256 of every 1 MiB chunk, ``core.chunks``) or one chunk's bytes (nothing is pickled).
 It serves its live anchors and momentum, not a copy: before they change (an outer step, a resync) the host
-withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most 15% of the time
-it worked since it last did, ``core.chunks.ServeWait``, which no downloader can stretch; a joiner
-that fetched a chunk in the last ``_PIN_S`` counts as in flight), and bumps a version that a stream checks
+withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most a budget saved at
+15% of the time it worked, ``core.chunks.ServeWait``, which no downloader can stretch; a joiner
+that fetched a manifest or chunk in the last ``_PIN_S`` counts as in flight), and bumps a version that a stream checks
 before every message it sends; so a chunk is either of one epoch or cut short (the joiner then fetches it
 from another donor, or the new state). hivemind's whole-state stream (``rpc_download_state``) is closed. A
 donor also serves the last round's update for one round (``swarm.catchup``): a joiner whose download
@@ -69,7 +69,9 @@ STATE_VERSION = 3
 """2: ``sha`` covers the outer momentum too (``checksum.state_sha256``). 3: served in chunks, with a manifest
 of chunk digests from which ``sha`` is computed."""
 _PIN_S = 2.0
-"""A donor that served a chunk this recently counts as serving a download (see ``StateServer.withdraw``)."""
+"""A donor that served a manifest or a chunk this recently counts as serving a download (see
+``StateServer.withdraw``); longer than a joiner's wait for the other donors' manifests
+(``core.chunks.MANIFEST_GRACE_S``)."""
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
@@ -138,8 +140,9 @@ class StateSharingMixin:
         state)."""
         self._manifests_served = mp.Value(ctypes.c_int64, 0)
         """Manifests handed to joiners: each download (or catch-up) of our state starts with one."""
-        self._last_chunk_served = mp.Value(ctypes.c_double, 0.0)
-        """Wall time the last state chunk was served: a joiner between two requests is still downloading."""
+        self._last_served = mp.Value(ctypes.c_double, 0.0)
+        """Wall time the last manifest or state chunk was served: a joiner between two requests is still
+        downloading."""
 
     def bump_state_version(self) -> None:
         with self._state_version.get_lock():
@@ -152,9 +155,9 @@ class StateSharingMixin:
         return int(self._manifests_served.value)
 
     def downloading(self) -> bool:
-        """A joiner is downloading our state: a stream is open, or a chunk was served moments ago (a joiner
-        between two chunk requests)."""
-        return self.streams_open() > 0 or time.time() - self._last_chunk_served.value < _PIN_S
+        """A joiner is downloading our state: a stream is open, or a manifest or chunk was served moments ago
+        (a joiner between two requests)."""
+        return self.streams_open() > 0 or time.time() - self._last_served.value < _PIN_S
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
@@ -238,7 +241,8 @@ class StateServer:
         self.waited_s = 0.0
         """Seconds :meth:`withdraw` spent waiting for downloads in flight, in total."""
         self.budget = ServeWait()
-        """How long the next withdrawal may wait for downloads (``core.chunks.ServeWait``: a share of the round)."""
+        """How long the next withdrawal may wait for downloads (``core.chunks.ServeWait``: a share of the time
+        worked, saved up to a burst)."""
         self.cut_off = 0
         """Withdrawals that cut downloads still running (their joiners fetch the new state instead)."""
 
@@ -311,10 +315,10 @@ class StateServer:
         self._wait_and_cut(timeout)
 
     def _wait_and_cut(self, timeout: float) -> None:
-        """Wait for downloads in flight, at most ``timeout`` and at most what the round's budget allows
-        (``core.chunks.ServeWait``: nobody downloading can hold this peer's round for more than a share of
-        it), then make those still running stop before their next message: their joiners get a chunk cut
-        short, a clean failure, and fetch the new state."""
+        """Wait for downloads in flight, at most ``timeout`` and at most what the budget allows
+        (``core.chunks.ServeWait``: nobody downloading can hold this peer's rounds for more than a share of
+        its work plus one burst), then make those still running stop before their next message: their
+        joiners get a chunk cut short, a clean failure, and fetch the new state."""
         if self._averager.client_mode or not self._averager.is_alive():
             return
         began = time.monotonic()
@@ -324,11 +328,12 @@ class StateServer:
             time.sleep(0.02)
         if self._averager.downloading():
             self.cut_off += 1
-            logger.info("A state download still runs after %.2f s (this round's budget); cutting it off to "
-                        "change our state (cut %d so far)", allowed, self.cut_off)
+            logger.info("A state download still runs after %.2f s (the budget left for downloads); cutting it "
+                        "off to change our state (cut %d so far)", allowed, self.cut_off)
         self._averager.bump_state_version()
-        self.budget.cut()
-        self.waited_s += time.monotonic() - began
+        waited = time.monotonic() - began
+        self.budget.spend(waited)
+        self.waited_s += waited
 
     def stop(self) -> None:
         """Stop serving (e.g. while this peer resyncs itself)."""

@@ -276,16 +276,47 @@ def test_the_threaded_manifest_equals_the_one_pass_manifest(threads: int, monkey
 
 def test_serve_wait_is_a_share_of_the_time_worked_since_the_last_cut() -> None:
     now = [100.0]
-    wait = ServeWait(0.25, clock=lambda: now[0])
+    wait = ServeWait(0.25, burst_s=0.0, clock=lambda: now[0])
     now[0] += 8.0  # a round of 8 s of work
     assert wait.allowance(600.0) == 2.0
     assert wait.allowance(1.5) == 1.5  # never past the caller's own limit
     now[0] += 2.0  # it waited those 2 s: they do not count as work
-    wait.cut()
+    wait.spend(2.0)
     now[0] += 0.4
     assert wait.allowance(600.0) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="share"):
         ServeWait(1.5)
+    with pytest.raises(ValueError, match="burst"):
+        ServeWait(0.1, burst_s=float("inf"))
+
+
+def test_serve_wait_saves_unused_budget_up_to_its_burst_and_no_more() -> None:
+    """A joiner of a swarm of short rounds gets the budget the donor saved while nobody downloaded; a leech
+    that downloads without end spends it once and then gets each round's share, so over any stretch the
+    waits stay within burst + share of the time worked."""
+    now = [0.0]
+    wait = ServeWait(0.25, burst_s=3.0, clock=lambda: now[0])
+    for _ in range(40):  # 40 rounds of 1 s, nobody downloading: each withdrawal waits 0 s
+        now[0] += 1.0
+        wait.allowance(600.0)
+        wait.spend(0.0)
+    now[0] += 1.0
+    assert wait.allowance(600.0) == 3.0  # saved: 40 x 0.25 s, capped at the burst
+    now[0] += 3.0
+    wait.spend(3.0)  # a download held the whole budget
+    waited, worked = 3.0, 41.0
+    for _ in range(20):  # a leech downloading without end: every withdrawal waits its whole allowance
+        now[0] += 1.0
+        worked += 1.0
+        allowed = wait.allowance(600.0)
+        assert allowed == pytest.approx(0.25)
+        now[0] += allowed
+        wait.spend(allowed)
+        waited += allowed
+    assert waited <= 3.0 + 0.25 * worked
+    # a round longer than the burst's worth of work still gets its own share
+    now[0] += 100.0
+    assert wait.allowance(600.0) == pytest.approx(25.0)
 
 
 class _Leeched:
@@ -312,7 +343,7 @@ def test_a_download_that_never_ends_holds_a_withdrawal_only_for_the_rounds_budge
     averager = _Leeched()
     server = StateServer(averager)  # type: ignore[arg-type]
     now = [0.0]
-    server.budget = ServeWait(0.25, clock=lambda: now[0])
+    server.budget = ServeWait(0.25, burst_s=0.0, clock=lambda: now[0])
     now[0] = 0.4  # the donor worked 0.4 s since it last changed its state: 0.1 s may go to downloads
     server.withdraw(600.0)
     server.withdraw_update(600.0)  # nothing served: returns at once
