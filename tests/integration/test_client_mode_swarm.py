@@ -55,7 +55,13 @@ def test_client_mode_peer_joins_downloads_and_averages_with_full_peers(tmp_path:
         def averaged_by_client() -> list[dict]:
             return [r for r in events(tmp_path, "c", "round") if r["outcome"] == "averaged" and r["group_size"] == 3]
 
-        wait_for(lambda: averaged_by_client() or procs["c"].poll() is not None, 120, "a round with the client")
+        try:
+            wait_for(lambda: averaged_by_client() or procs["c"].poll() is not None, 120, "a round with the client")
+        except AssertionError as e:  # say why: the client's rounds and its log
+            rounds = [{k: r.get(k) for k in ("epoch", "new_epoch", "outcome", "group_size", "reason")}
+                      for r in events(tmp_path, "c", "round")]
+            log = "\n".join(line for line in tail(tmp_path, "c", 10**6).splitlines() if "progress:" not in line)
+            raise AssertionError(f"{e}; the client's rounds: {rounds[-8:]}; its log: {log[-6000:]}") from None
         donors, peers = _donors(maddr, "cm")
         def logged_by_full_peers() -> bool:
             """Three rounds with the client, each in a's and b's logs too (a round's record is written when it
@@ -113,8 +119,13 @@ def test_a_swarm_of_only_clients_says_nobody_can_reduce(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     procs: dict = {}
     try:
+        # Each must see the other before its first inner phase ends: a peer that sees nobody then goes on alone
+        # (a solo round, "averaged" in a group of 1), which is right for the first peer of a swarm but not
+        # what this test is about. Ten steps take about a second, less than two interpreters' start-up can
+        # differ by (seen in CI: x stepped alone); 0.8 s per step makes the phase 8 s.
         for name in "xy":
-            procs[name] = start_peer(tmp_path, name, maddr, *RUN, "--client-mode", "true", "--max-rounds", "1")
+            procs[name] = start_peer(tmp_path, name, maddr, *RUN, "--client-mode", "true", "--max-rounds", "1",
+                                     faults="slow_steps@0=0.8")
         codes = wait_all(procs, 180)
     finally:
         for proc in procs.values():
@@ -124,7 +135,9 @@ def test_a_swarm_of_only_clients_says_nobody_can_reduce(tmp_path: Path) -> None:
     assert codes == {"x": 0, "y": 0}, {n: tail(tmp_path, n) for n in procs}
     for name in "xy":
         rows = events(tmp_path, name, "round")
-        assert [r["outcome"] for r in rows] == ["skipped"] and rows[0]["stall"] == "all_clients", rows
+        assert [r["outcome"] for r in rows] == ["skipped"] and rows[0]["stall"] == "all_clients", (
+            [{k: r.get(k) for k in ("outcome", "reason", "group_size", "stall")} for r in rows],
+            tail(tmp_path, name, 4000))
         assert "nobody can reduce" in rows[0]["reason"]
         out = tail(tmp_path, name, 10**6)
         assert "every peer of this run is in client mode" in out and "Fix:" in out, out[-3000:]
