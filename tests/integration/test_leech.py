@@ -5,7 +5,8 @@ free identity, 4 request loops per donor within the per-peer stream cap, a rando
 state every half second at most) starts, and they train ``ROUNDS`` more. Before the fix a donor waited for
 any download in flight, up to ``--state-download-timeout-s`` (30 s here), before each outer step, and a chunk
 served in the last 2 s counted as one: the same attack took rounds of 0.7 s to 33 s. Now the wait is bounded
-by a share of the round (``core.chunks.ServeWait``): the honest peers run their rounds under the leech
+by a budget of 15% of the time worked, saved up to a burst (``core.chunks.ServeWait``): the leech spends what
+the donors saved before it came (a few seconds here), then the honest peers run their rounds under it
 (``ROUNDS`` of them within a bound the old code's 30 s waits per round exceed), and the leech's downloads are
 cut off instead (logged). Their slowdown is printed, not asserted: it is a timing.
 """
