@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from p2p_diloco.core.delayed import StalenessPolicy
+from p2p_diloco.core.lease import BufferLease
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected, RoundDriver
 from p2p_diloco.core.rounds import (
@@ -133,7 +134,8 @@ class FakePort:
     def before_allreduce(self) -> None:
         self.calls.append(("before_allreduce",))
 
-    def average(self, delta, weight, staleness, epoch, stale, stale_weight) -> RoundResult:
+    def average(self, lease, weight, staleness, epoch, stale_weight) -> RoundResult:
+        delta, stale = lease.in_flight()
         self.calls.append(("average", epoch, weight, staleness, None if stale is None else stale[0].clone(),
                            stale_weight))
         self.sent.append(delta)
@@ -168,8 +170,8 @@ class FakePort:
     def discard(self, why: str) -> None:
         self.calls.append(("discard", why))
 
-    def delta_buffers(self) -> list[torch.Tensor] | None:
-        return self.buffers
+    def lease(self) -> BufferLease | None:
+        return None if self.buffers is None else BufferLease(self.buffers, shared=True)
 
     def withdraw(self) -> None:
         self.calls.append(("withdraw",))
