@@ -18,7 +18,7 @@ from p2p_diloco.core.evidence import (
     credited,
     state_verdict,
 )
-from p2p_diloco.core.lease import BufferLease
+from p2p_diloco.core.lease import BufferLease, LeaseState
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.rounds import LateWork, Outcome, RoundResult
 from p2p_diloco.peer.faults import NO_FAULTS
@@ -50,6 +50,9 @@ class ScriptedSwarm:
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``(phase_s, age_s)`` of a peer's record: how far into its inner phase it was, how long ago."""
     result: RoundResult | None = None
+    buffers: list[torch.Tensor] | None = None
+    """What ``fresh_buffers`` offers (the averager's shared buffers); None: a round still holds them."""
+    withdrawn_updates: int = 0
 
     def records(self) -> list[SimpleNamespace]:
         return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0),
@@ -75,7 +78,7 @@ class ScriptedSwarm:
         return update if update is not None and update.base == (base_sha, base_epoch) else None
 
     def withdraw_update(self) -> None:
-        pass
+        self.withdrawn_updates += 1
 
     def serve(self, anchors, momentum, epoch, *, checksum, manifest=None, update=None) -> str:  # noqa: ANN001
         return state_sha256(anchors, momentum, params_sha=manifest.sha if manifest is not None else None)
@@ -83,8 +86,8 @@ class ScriptedSwarm:
     def withdraw(self) -> None:
         pass
 
-    def fresh_buffers(self) -> None:
-        return None
+    def fresh_buffers(self) -> list[torch.Tensor] | None:
+        return self.buffers
 
     def average(self, delta, weight, staleness, epoch, stale, stale_weight, copy_out=True,  # noqa: ANN001
                 left_behind=None) -> RoundResult:  # noqa: ANN001
@@ -483,3 +486,19 @@ def test_a_failed_re_download_after_a_failed_catch_up_check_leaves_the_peer_on_i
     assert [m for m, _ in swarm.downloads] == [3, 4]  # the stepped result failed its check, then no download
     assert state.epoch == 0 and all(torch.equal(a, b) for a, b in zip(state.anchors, before, strict=True))
     assert port.serving.state_digest() == served_before and port.serving.state_digest() != swarm_sha
+
+
+def test_port_leases_the_averagers_shared_buffers_and_withdraws_the_served_update_around_them() -> None:
+    swarm = ScriptedSwarm(claims={"me": 0}, buffers=[torch.zeros(4)])
+    port, _ = _port(swarm)
+    lease = port.lease()
+    # the last round's update lives in these buffers whichever buffers its delta was written to: withdrawn first
+    assert lease is not None and lease.shared and swarm.withdrawn_updates == 1
+    assert lease.delta()[0].data_ptr() == swarm.buffers[0].data_ptr()  # no copy on the way to the all-reduce
+    lease.release()
+    assert swarm.withdrawn_updates == 2 and lease.state is LeaseState.RELEASED
+    swarm.buffers = None  # a round whose host side gave up still holds them: the driver's own buffers then
+    assert port.lease() is None
+    port.eager = True  # the overlap copies into the buffers itself
+    swarm.buffers = [torch.zeros(4)]
+    assert port.lease() is None
