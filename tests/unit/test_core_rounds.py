@@ -371,3 +371,19 @@ def test_late_work_after_a_failed_allreduce_is_recomputed_not_read_from_the_garb
     assert report.outcome is Outcome.RESYNCED
     assert driver.pending.late is not None and driver.pending.late.delta[0].tolist() == [-1.0] * 4
     assert driver.pending.late.delta[0].data_ptr() != shared[0].data_ptr()  # its own copy: the buffer is reused
+
+
+def test_a_restarted_peer_forgets_its_work_and_loads_the_swarms_state_or_its_own_anchors() -> None:
+    port = FakePort(swarm=0, donor=([torch.full((4,), 5.0)], 3))
+    driver, params = make(port)
+    driver.pending.stash_late([torch.ones(4)], 4.0, origin=0)
+    driver.pending.carry(2.0)
+    params[0].add_(1.0)
+    driver.restart()
+    assert driver.pending.late is None and not driver.pending.train_on
+    assert driver.state.epoch == 3 and params[0].tolist() == [5.0] * 4 and ("resync", 0) in port.calls
+    port.donor = None  # nobody serves: start again from the own anchors
+    params[0].add_(1.0)
+    driver.pending.carry(2.0)
+    driver.restart()
+    assert not driver.pending.train_on and driver.state.epoch == 3 and params[0].tolist() == [5.0] * 4
