@@ -13,6 +13,11 @@ With ``--overlap eager`` (see :mod:`p2p_diloco.core.eager`) the all-reduce of ep
 during the next inner phase; the outer step uses the complete average of epoch ``e - 1`` (outcome
 ``averaged``) or, when that one was late, failed or partial, the own term only (outcome ``own_only``). A
 state download or a solo round resets the eager state.
+
+A blocking round's buffers come from the port as a :class:`~p2p_diloco.core.lease.BufferLease` (the swarm's
+shared averaging buffer) or are the driver's own; the driver moves the lease through its states (Δ writable,
+in flight, mean readable, served, released) and the port touches the buffers only through it. The round that
+folds late work takes it over from :class:`PendingWork` and gives it back only when it left it intact.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Protocol
 import torch
 
 from p2p_diloco.core.delayed import Contribution, RoundAggregate, aggregate_round, summarize_round
+from p2p_diloco.core.lease import BufferLease
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.pseudograd import pseudo_gradient
 from p2p_diloco.core.rounds import (
@@ -75,9 +81,11 @@ class RoundPort(Protocol):
     def before_allreduce(self) -> None:
         """Right before this peer's work is sent (fault injection point)."""
 
-    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
-                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
-        """One blocking all-reduce of epoch ``epoch``."""
+    def average(self, lease: BufferLease, weight: float, staleness: int, epoch: int,
+                stale_weight: float) -> RoundResult:
+        """One blocking all-reduce of epoch ``epoch`` over ``lease.in_flight()``: the fresh work and any late work
+        the round folds (``staleness`` old, of weight ``stale_weight``). ``RoundResult.late_consumed``: the
+        round wrote into the late work."""
 
     def resync(self, min_epoch: int) -> bool:
         """Download and load the swarm's verified state of ``min_epoch`` or newer into the outer state and
@@ -86,7 +94,7 @@ class RoundPort(Protocol):
     def published(self, epoch: int, update: RoundAggregate | None = None) -> None:
         """The anchors of ``epoch`` are new: serve them (and publish their checksum where peers vote).
         ``update``: the swarm round's aggregate that led here, whose tensors stay untouched until the next
-        :meth:`delta_buffers`: a port may serve it to joiners one round behind."""
+        lease is released: a port may serve it to joiners one round behind."""
 
     def collect(self, epoch: int, timeout: float) -> Collected:
         """Eager only: the background all-reduce of ``epoch``, waiting at most ``timeout`` s."""
@@ -98,9 +106,10 @@ class RoundPort(Protocol):
     def discard(self, why: str) -> None:
         """Eager only: forget the background round's result (it belongs to a state we left)."""
 
-    def delta_buffers(self) -> list[torch.Tensor] | None:
-        """Where to write this round's pseudo-gradient so that :meth:`average` sends it without a copy (the
-        swarm's shared averaging buffer), or None for buffers of the driver's own. Valid until ``average``."""
+    def lease(self) -> BufferLease | None:
+        """A lease over the buffers to write this round's pseudo-gradient into so that :meth:`average` sends it
+        without a copy (the swarm's shared averaging buffer, ``shared=True``), or None for buffers of the
+        driver's own. The driver releases the previous round's lease before it asks for the next."""
 
     def withdraw(self) -> None:
         """The anchors are about to change: stop serving them (and let a checkpoint being written from them
@@ -142,6 +151,8 @@ class RoundDriver:
         self.matchmaking_time_s = matchmaking_time_s
         self.pending = PendingWork()
         self.merge_alpha = merge_alpha
+        self.lease: BufferLease | None = None
+        """The last round's buffers, until the next round takes a lease (a served update lives there)."""
 
     def begin(self) -> None:
         """Start the inner phase from the anchors (unless the last round carried its work: then train on)."""
@@ -155,6 +166,18 @@ class RoundDriver:
         if self.policy.eager:
             self.port.discard("this peer downloaded a new state since")
 
+    def restart(self) -> None:
+        """This peer's process died and came back (the simulator's dropped worker): the work of the round, carried
+        work and late work died with it. Load the swarm's newest state, or start again from the own anchors."""
+        self.pending = PendingWork()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        if self.port.resync(0):
+            self.new_state()
+        else:
+            self.state.begin(self.params)
+
     def end(self, samples: float, report: RoundReport, inner_seconds: float,
             delta: list[torch.Tensor] | None = None) -> RoundReport:
         """Run the round's decisions; fills ``report`` (outcome, group, timings, new epoch) and returns it.
@@ -163,51 +186,72 @@ class RoundDriver:
         ends the round τ steps later, ``core.fragments``); by default it is taken now."""
         epoch = self.state.epoch
         weight = self.pending.weight_for(samples)
-        if delta is None:
-            buffers = None if self.policy.eager else self.port.delta_buffers()
-            # Into the averager's buffer when the port has one (no copy on the way to the all-reduce); otherwise
-            # new tensors (the state's reused buffer may still be referenced by the eager overlap).
-            delta = (self.state.pseudo_gradient(self.params, out=buffers) if buffers is not None
-                     else pseudo_gradient(self.state.anchors, self.params))
+        lease = self._take_lease(delta)
+        delta = lease.delta()
         seen = self.port.observe(epoch)
         if self.policy.wants_checksum_vote(seen):
             seen = dataclasses.replace(seen, minority=self.port.in_minority(epoch))
         decision = self.policy.decide(seen)
         if decision.action is Action.RESYNC:
-            report.outcome, report.reason = self._catch_up(delta, weight, decision.min_epoch), decision.reason
+            report.outcome, report.reason = self._catch_up(lease, weight, decision.min_epoch), decision.reason
         elif decision.action is Action.SOLO:
             self._solo(delta, weight, report, decision.reason)
         elif decision.action is Action.EAGER:
             self._eager(delta, weight, report, inner_seconds, seen.peers_visible)
         else:
             started = time.monotonic()
-            self._average(delta, weight, report)
+            self._average(lease, weight, report)
             report.blocked_seconds = time.monotonic() - started
         report.new_epoch = self.state.epoch
         return report
 
+    def _take_lease(self, delta: list[torch.Tensor] | None) -> BufferLease:
+        """This round's buffers, holding its pseudo-gradient: the last round's lease is released first (the
+        port stops serving its update from them), then the port's shared buffers are written in place (no copy
+        on the way to the all-reduce), or new tensors are the driver's own (eager rounds: the state's reused
+        buffer may still be referenced by the overlap; or ``delta`` was taken earlier)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        if delta is not None:
+            self.lease = BufferLease(delta)
+            return self.lease
+        lease = None if self.policy.eager else self.port.lease()
+        if lease is not None:
+            self.state.pseudo_gradient(self.params, out=lease.delta())
+        else:
+            lease = BufferLease(pseudo_gradient(self.state.anchors, self.params))
+        self.lease = lease
+        return lease
+
     # ------------------------------------------------------------------ actions
 
-    def _average(self, delta: list[torch.Tensor], weight: float, report: RoundReport) -> None:
+    def _average(self, lease: BufferLease, weight: float, report: RoundReport) -> None:
         epoch = self.state.epoch
         stale, stale_weight, staleness = self.pending.late_term(epoch, self.policy.staleness)
+        late = self.pending.take_late() if stale is not None else None
+        if late is not None:
+            lease.fold(late)  # the round owns it now: the averager process may scale it in place
         self.port.averaging(epoch)
         self.port.before_allreduce()
-        result = self.port.average(delta, weight, staleness, epoch, stale, stale_weight)
+        lease.send()
+        result = self.port.average(lease, weight, staleness, epoch, stale_weight)
         report.reason = result.reason
         report.absorb(result)
-        if stale is not None and result.late_consumed and not result.averaged:
-            # The late work went into a round that failed after the averager had scaled it and the all-reduce
-            # had written part of the group's values into it, in place (``RoundResult.late_consumed``): what is
-            # left is neither our work nor the group's. Carrying it into the next fold (or adding a resync's
-            # work to it) would apply a corrupted update; dropping it loses one phase of work that was late.
+        back = lease.returned(result.averaged, late_intact=not result.late_consumed)
+        if back is not None:
+            self.pending.late = back  # the round failed before it touched the late work
+        elif late is not None and not result.averaged:
+            # The round failed after the averager had scaled the late work and the all-reduce had written part
+            # of the group's values into it, in place: what is left is neither our work nor the group's.
+            # Carrying it into the next fold (or adding a resync's work to it) would apply a corrupted update;
+            # it stays with the spent round, and one phase of late work is lost.
             logger.warning("Dropping the late work of epoch %d: the round that folded it failed midway (%s)",
-                           self.pending.late.origin_epoch if self.pending.late else epoch, result.reason)
-            self.pending.late = None
+                           late.origin_epoch, result.reason)
         swarm_epoch = None if result.averaged else self.port.swarm_epoch()
         decision = self.policy.after_allreduce(epoch, result, swarm_epoch)
         if decision.action is Action.RESYNC:
-            report.outcome = self._catch_up(delta, weight, decision.min_epoch)
+            report.outcome = self._catch_up(lease, weight, decision.min_epoch)
             return
         if decision.action is Action.CARRY:
             self.pending.carry(weight)
@@ -215,11 +259,10 @@ class RoundDriver:
             return
         stats = summarize_round([w or s for w, s in zip(result.weights, result.stale_weights, strict=True)],
                                 list(result.stalenesses), self.policy.staleness, list(result.contributors))
-        self._apply(RoundAggregate(result.fresh_mean, result.stale_term, stats), from_swarm=True)
+        # The swarm's mean is a view of the lease's buffers (READABLE now, SERVED once applied, until released).
+        self._apply(RoundAggregate(result.fresh_mean, result.stale_term, stats), from_swarm=True, lease=lease)
         report.late_folded = late_folded(result.stalenesses)
         report.outcome = Outcome.FOLDED_LATE if stale is not None else Outcome.AVERAGED
-        if stale is not None:
-            self.pending.late = None
 
     def _solo(self, delta: list[torch.Tensor], weight: float, report: RoundReport, reason: str) -> None:
         stale, stale_weight, staleness = self.pending.late_term(self.state.epoch, self.policy.staleness)
@@ -271,15 +314,18 @@ class RoundDriver:
             report.reason = (report.reason + "; " if report.reason else "") + (
                 f"the work of epoch {epoch} was not sent: the previous all-reduce still runs")
 
-    def _apply(self, aggregate: RoundAggregate, from_swarm: bool = False) -> None:
+    def _apply(self, aggregate: RoundAggregate, from_swarm: bool = False, lease: BufferLease | None = None) -> None:
         """The outer step; ``from_swarm``: the aggregate is the swarm round's, every member applies the same
-        one, so the port may serve it (a joiner one round behind applies it instead of downloading again)."""
+        one, so the port may serve it (a joiner one round behind applies it instead of downloading again) until
+        the round's ``lease`` is released."""
         self.port.withdraw()
         self.state.apply(aggregate, self.params, keep_local=self.merge_alpha)
         self.pending.applied()
+        if from_swarm and lease is not None:
+            lease.serve()
         self.port.published(self.state.epoch, aggregate if from_swarm else None)
 
-    def _catch_up(self, delta: list[torch.Tensor], weight: float, min_epoch: int) -> Outcome:
+    def _catch_up(self, lease: BufferLease, weight: float, min_epoch: int) -> Outcome:
         """Load the swarm's state and keep this round's work as late work; ``SKIPPED`` if no donor answered.
 
         Without a donor (a partition, every donor busy) nothing is stashed: the peer trains on from its own
@@ -291,12 +337,12 @@ class RoundDriver:
         # failed all-reduce overwrote; the parameters still hold this phase's (and any carried) work. It goes
         # into that idle buffer while the download runs (the downloaded state does not meet a fourth
         # model-sized tensor there), and is copied out once the state is loaded.
-        buffers = None if self.policy.eager else self.port.delta_buffers()
-        late = (self.state.pseudo_gradient(self.params, out=buffers) if buffers is not None
+        late = (self.state.pseudo_gradient(self.params, out=lease.delta()) if lease.shared
                 else pseudo_gradient(self.state.anchors, self.params))
         if not self.port.resync(min_epoch):
             self.pending.carry(weight)
             return Outcome.SKIPPED
         self.new_state()
-        self.pending.stash_late([t.clone() for t in late] if buffers is not None else late, weight, origin)
+        self.pending.stash_late([t.clone() for t in late] if lease.shared else late, weight, origin)
         return Outcome.RESYNCED
+

@@ -206,6 +206,12 @@ class PendingWork:
             kept.add_(new)
         self.late.weight += weight
 
+    def take_late(self) -> LateWork | None:
+        """Hand the late work over to the round that folds it (``core.lease.BufferLease.fold``): from here on
+        only the round refers to it, and it comes back only if that round left it intact."""
+        late, self.late = self.late, None
+        return late
+
     def late_term(self, epoch: int, policy: StalenessPolicy) -> tuple[list[torch.Tensor] | None, float, int]:
         """The late work for round ``epoch`` as (delta, effective weight, staleness); dropped when too old."""
         if self.late is None:

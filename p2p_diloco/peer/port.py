@@ -19,6 +19,7 @@ import torch
 
 from p2p_diloco.core.delayed import RoundAggregate
 from p2p_diloco.core.evidence import Evidence, outvoted
+from p2p_diloco.core.lease import BufferLease
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected
 from p2p_diloco.core.rounds import Observation, RoundResult
@@ -93,8 +94,10 @@ class SwarmPort:
     def before_allreduce(self) -> None:
         self.faults.before_allreduce()
 
-    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
-                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+    def average(self, lease: BufferLease, weight: float, staleness: int, epoch: int,
+                stale_weight: float) -> RoundResult:
+        # the late work goes to the averager process as it is (shared, scaled there in place): the lease owns it
+        delta, stale = lease.in_flight()
         cap = self.swarm.cfg.max_round_weight
         weight, stale_weight = capped(weight, cap), capped(stale_weight, cap)
         # the fresh mean stays in the averager's buffer: the driver applies it before the next round
@@ -127,12 +130,19 @@ class SwarmPort:
         if self.overlap is not None:
             self.overlap.discard(why)
 
-    def delta_buffers(self) -> list[torch.Tensor] | None:
+    def lease(self) -> BufferLease | None:
+        """A lease over the averager's shared fresh buffers (None while a round still holds them, or eager: the
+        overlap copies into them itself). The last round's mean, served as its update, lives in these buffers
+        whichever buffers that round's Δ was written to: it is withdrawn here, and again when the lease ends."""
         if self.eager:
             return None
-        with self.view.network():  # the served update lives in these buffers: joiners fetching it finish first
+        self._withdraw_update()
+        buffers = self.swarm.fresh_buffers()
+        return None if buffers is None else BufferLease(buffers, shared=True, on_release=self._withdraw_update)
+
+    def _withdraw_update(self) -> None:
+        with self.view.network():  # joiners fetching the served update finish first
             self.swarm.withdraw_update()
-        return self.swarm.fresh_buffers()
 
     def withdraw(self) -> None:
         self.serving.withdraw()

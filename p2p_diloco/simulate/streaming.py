@@ -41,6 +41,7 @@ import torch
 from p2p_diloco.config import TrainConfig
 from p2p_diloco.core.delayed import StalenessPolicy
 from p2p_diloco.core.fragments import FragmentSchedule, StreamingRounds, assign_fragments
+from p2p_diloco.core.lease import BufferLease
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.robust import GroupReduction
 from p2p_diloco.core.round_driver import Collected
@@ -178,8 +179,9 @@ class GroupPort:
     def before_allreduce(self) -> None:
         pass
 
-    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
-                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+    def average(self, lease: BufferLease, weight: float, staleness: int, epoch: int,
+                stale_weight: float) -> RoundResult:
+        delta, _ = lease.in_flight()
         result, sent = self.result, self.sent
         self.result = self.sent = None
         if result is None or sent is None or len(delta) != len(sent) or any(
@@ -208,7 +210,7 @@ class GroupPort:
     def discard(self, why: str) -> None:
         pass
 
-    def delta_buffers(self) -> list[torch.Tensor] | None:
+    def lease(self) -> BufferLease | None:
         return None
 
     def withdraw(self) -> None:

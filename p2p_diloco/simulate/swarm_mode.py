@@ -10,6 +10,11 @@ here as they do in the swarm (see :mod:`p2p_diloco.simulate.faults` for the faul
 A round: the joining workers download the state; every present worker trains H steps; the workers on time
 end their round together (one thread each, since an all-reduce needs every member at once); then the late
 ones end theirs, finding the swarm ahead; the dropped ones restart from the swarm's state.
+
+With ``--overlap eager`` the driver takes the eager action: it collects the previous round's background
+all-reduce and launches this round's. Here the launches of the workers on time form the round's group
+(:meth:`SimGroup.contribute`, reduced once the round ends), and the next round's collect hands each member
+its result, as ``peer.eager.EagerOverlap`` does; a late worker's launch finds no group.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from p2p_diloco.build import build_local
 from p2p_diloco.config import TrainConfig
 from p2p_diloco.core.delayed import StalenessPolicy, fold_scales, group_stats
+from p2p_diloco.core.lease import BufferLease
 from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected, RoundDriver
@@ -72,6 +78,26 @@ class SimGroup:
                 return RoundResult(Outcome.SKIPPED, "simulated group timed out", epoch)
             if self._results is None:
                 self._results = self._reduce()
+            return self._results[index]
+
+    def contribute(self, index: int, peer_id: str, delta: Sequence[torch.Tensor], weight: float, staleness: int,
+                   epoch: int, stale: Sequence[torch.Tensor] | None, stale_weight: float) -> None:
+        """An eager member's launch: its work joins the group without waiting (copies: the caller trains on)."""
+        with self._cond:
+            self._members[index] = (peer_id, [t.detach().clone() for t in delta], weight, staleness, epoch,
+                                    None if stale is None else [t.detach().clone() for t in stale], stale_weight)
+
+    def close(self) -> None:
+        """The round ended: reduce what the eager members launched (their results wait for :meth:`result`)."""
+        with self._cond:
+            if self._results is None:
+                self._results = self._reduce()
+
+    def result(self, index: int, epoch: int) -> RoundResult:
+        """A closed group's result for member ``index``."""
+        with self._cond:
+            if self._results is None or index not in self._results:
+                return RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s", epoch)
             return self._results[index]
 
     def _reduce(self) -> dict[int, RoundResult]:
@@ -146,6 +172,8 @@ class SwarmWorld:
         self.present: set[int] = set()
         self.saw_others: set[int] = set()
         self.group: SimGroup | None = None
+        self.launched: dict[int, _Launch] = {}
+        """Eager: each worker's last background all-reduce."""
         self.lock = threading.Lock()
 
     def publish(self, worker: SimWorker) -> None:
@@ -244,6 +272,17 @@ class SimSync:
         pass
 
 
+@dataclass
+class _Launch:
+    """One eager worker's background all-reduce (``SimPort.launch``)."""
+
+    epoch: int
+    group: SimGroup | None
+    """The round's group it joined; None when it launched after the group formed (a late worker)."""
+    folded_stale: bool
+    discarded: str = ""
+
+
 class SimPort:
     """The ``RoundPort`` of one simulated worker (see ``core.round_driver``)."""
 
@@ -270,20 +309,30 @@ class SimPort:
     def before_allreduce(self) -> None:
         pass
 
-    def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
-                stale: Sequence[torch.Tensor] | None, stale_weight: float) -> RoundResult:
+    def average(self, lease: BufferLease, weight: float, staleness: int, epoch: int,
+                stale_weight: float) -> RoundResult:
+        delta, stale = lease.in_flight()
         group = self.world.group
         if group is None:
             return RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s (arrived late)", epoch)
-        codec = self.worker.state.codec
-        if codec.name == "none":
-            return group.average(self.worker.index, self.worker.peer_id, delta, weight, staleness, epoch, stale,
-                                 stale_weight)
-        # The wire carries both regions through the codec, and the reduced parts travel back through it.
-        sent = self.worker.state.encode(delta)[0]
-        stale_sent = None if stale is None else [codec.roundtrip(t) for t in stale]
+        sent, stale_sent = self._wire(delta, stale)
         result = group.average(self.worker.index, self.worker.peer_id, sent, weight, staleness, epoch, stale_sent,
                                stale_weight)
+        return self._reply(result)
+
+    def _wire(self, delta: Sequence[torch.Tensor], stale: Sequence[torch.Tensor] | None
+              ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor] | None]:
+        """What the group receives: both regions through the codec (as they are without one)."""
+        codec = self.worker.state.codec
+        if codec.name == "none":
+            return delta, stale
+        return self.worker.state.encode(delta)[0], None if stale is None else [codec.roundtrip(t) for t in stale]
+
+    def _reply(self, result: RoundResult) -> RoundResult:
+        """The reduced parts travel back through the codec's reply codec."""
+        codec = self.worker.state.codec
+        if codec.name == "none":
+            return result
         reply = codec.reply_codec
         if result.fresh_mean is not None:
             result.fresh_mean = [reply.roundtrip(t) for t in result.fresh_mean]
@@ -298,15 +347,39 @@ class SimPort:
         self.world.publish(self.worker)  # the simulator's joiners take a state of any epoch: no update served
 
     def collect(self, epoch: int, timeout: float) -> Collected:
-        raise NotImplementedError("the swarm simulation runs blocking rounds (--overlap none)")
+        """Eager: the previous round's background all-reduce, by ``peer.eager.EagerOverlap.collect``'s rules
+        (the simulator never waits: a group closed when its round ended)."""
+        launch = self.world.launched.pop(self.worker.index, None)
+        if launch is None:
+            return Collected(None, "no all-reduce was launched for the previous round", 0.0)
+        if launch.epoch != epoch or launch.discarded:
+            why = launch.discarded or f"the last one launched was for epoch {launch.epoch}"
+            return Collected(None, f"no usable all-reduce of epoch {epoch}: {why}", 0.0)
+        result = (launch.group.result(self.worker.index, epoch) if launch.group is not None else
+                  RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s (arrived late)", epoch))
+        if not result.averaged or result.fresh_mean is None:
+            return Collected(None, f"the all-reduce of epoch {epoch} did not complete: {result.reason}", 0.0)
+        if self.worker.peer_id not in result.contributors:
+            return Collected(None, f"the all-reduce of epoch {epoch} did not include this peer", 0.0)
+        return Collected(self._reply(result), "", 0.0, folded_stale=launch.folded_stale)
 
-    def launch(self, *args: object) -> bool:
-        raise NotImplementedError("the swarm simulation runs blocking rounds (--overlap none)")
+    def launch(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
+               stale: Sequence[torch.Tensor] | None, stale_weight: float) -> bool:
+        """Eager: this round's work joins the round's group (none for a worker ending after it formed)."""
+        group = self.world.group
+        if group is not None:
+            sent, stale_sent = self._wire(delta, stale)
+            group.contribute(self.worker.index, self.worker.peer_id, sent, weight, staleness, epoch, stale_sent,
+                             stale_weight)
+        self.world.launched[self.worker.index] = _Launch(epoch, group, stale is not None)
+        return True
 
     def discard(self, why: str) -> None:
-        pass
+        launch = self.world.launched.get(self.worker.index)
+        if launch is not None:
+            launch.discarded = why
 
-    def delta_buffers(self) -> list[torch.Tensor] | None:
+    def lease(self) -> BufferLease | None:
         return None  # in-process: the driver's own buffers
 
     def withdraw(self) -> None:
@@ -322,14 +395,13 @@ class SwarmSimulation:
 
     def __init__(self, cfg: TrainConfig, sim: SimConfig, faults: FaultSchedule | None = None,
                  data_ids: Sequence[str] | None = None) -> None:
-        if cfg.outer.overlap != "none":
-            raise ValueError("the swarm simulation runs blocking rounds: use --overlap none")
         self.cfg, self.sim, self.faults = cfg, sim, faults or FaultSchedule()
         self.faults.check_workers(sim.workers)
         ids = list(data_ids or [f"sim-worker-{i}" for i in range(sim.workers)])
         if len(ids) != sim.workers:
             raise ValueError(f"data_ids: need {sim.workers}, got {len(ids)}")
-        policy = RoundPolicy(StalenessPolicy(cfg.outer.staleness_decay, cfg.outer.max_staleness), solo_after_s=1.0)
+        policy = RoundPolicy(StalenessPolicy(cfg.outer.staleness_decay, cfg.outer.max_staleness), solo_after_s=1.0,
+                             eager=cfg.outer.overlap == "eager")
         self.world = SwarmWorld()
         self.workers = [SimWorker(i, cfg, ids[i], policy, self.world) for i in range(sim.workers)]
         for w in self.workers:
@@ -337,11 +409,7 @@ class SwarmSimulation:
 
     def _restart(self, worker: SimWorker) -> None:
         """A dropped worker lost its round's work and restarts from the swarm's newest state."""
-        worker.driver.pending.late, worker.driver.pending.carried_weight = None, None
-        if worker.port.resync(0):
-            worker.driver.new_state()
-        else:
-            worker.state.begin(worker.params)
+        worker.driver.restart()
 
     def run(self, progress=None) -> SwarmSimResult:
         cfg, sim, H = self.cfg, self.sim, self.cfg.outer.local_steps
@@ -368,6 +436,7 @@ class SwarmSimulation:
             group = self.world.group = SimGroup([w.index for w in on_time], faults.partial)
             reports = self._end_together(on_time, samples)
             self.world.group = None
+            group.close()  # eager: the launches of the workers on time formed the round's group
             for w in present:
                 if w.index in faults.late:
                     reports[w.index] = w.driver.end(samples[w.index], RoundReport(epoch=w.state.epoch), 0.0)

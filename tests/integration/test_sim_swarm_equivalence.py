@@ -7,6 +7,10 @@ into epoch 2 (``folded_late``). The real peers' timings leave room for loopback 
 ``slow_steps@0`` gives every peer time to see the others before its first round ends, the matchmaking window
 (15 s, groups of 3 form at once) absorbs start-up skew, and c's slow phase (21 s) outlasts it. The simulator
 then trains on the very data shards the peers trained on (a peer's shard is named by its peer id).
+
+The eager schedule (``--overlap eager``, no fault past the start): each round collects the previous round's
+background all-reduce, so the first round steps on the own term (``own_only``) and every later one on the
+group's average of the round before (``averaged``), in the swarm and in the simulator alike.
 """
 
 from __future__ import annotations
@@ -33,38 +37,63 @@ SWARM_FAULTS = {"a": "slow_steps@0=0.5", "b": "slow_steps@0=0.5", "c": "slow_ste
 SIM_FAULTS = ["late@1:2"]
 
 
-def test_one_fault_schedule_gives_the_same_outcomes_and_parameters_in_simulator_and_swarm(tmp_path: Path) -> None:
+EAGER_TIMING = [*TIMING[:-1], "eqe", "--overlap", "eager"]
+EAGER_FAULTS = {n: "slow_steps@0=0.5" for n in "abc"}
+
+
+def _swarm_then_simulator(tmp_path: Path, timing: list[str], swarm_faults: dict[str, str], expected: dict,
+                          sim_faults: list[str]) -> SwarmSimulation:
+    """Run the three peers under ``timing`` and ``swarm_faults``, check their outcomes are ``expected``, then
+    the simulator on their data shards under ``sim_faults``, and check it gives the same outcomes."""
     boot, maddr = start_bootstrap(tmp_path)
     try:
-        procs = {n: start_peer(tmp_path, n, maddr, *TIMING, "--checkpoint-dir", str(tmp_path / f"ck-{n}"), "--checkpoint-every", "1",
-                               faults=SWARM_FAULTS[n]) for n in "abc"}
+        procs = {n: start_peer(tmp_path, n, maddr, *timing, "--checkpoint-dir", str(tmp_path / f"ck-{n}"),
+                               "--checkpoint-every", "1", faults=swarm_faults[n]) for n in "abc"}
         codes = wait_all(procs, 240)
     finally:
         boot.terminate()
     assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in "abc"}
     swarm = {n: [r["outcome"] for r in events(tmp_path, n, "round")] for n in "abc"}
-    assert swarm == {"a": ["averaged"] * 4, "b": ["averaged"] * 4,
-                     "c": ["averaged", "resynced", "folded_late", "averaged"]}, {n: tail(tmp_path, n) for n in "abc"}
+    assert swarm == expected, ({n: [r["reason"] for r in events(tmp_path, n, "round")] for n in "abc"},
+                               {n: tail(tmp_path, n) for n in "abc"})
 
     ids = [events(tmp_path, n, "start")[0]["peer_id"] for n in "abc"]
     cfg, _ = parse_config(make_parser("run_peer", "", PeerConfig), PeerConfig,
-                          [*FAST, *TIMING, "--initial-peers", maddr])
+                          [*FAST, *timing, "--initial-peers", maddr])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the peers (OMP_NUM_THREADS=1)
     try:
         simulation = SwarmSimulation(cfg, SimConfig(mode="swarm", workers=3, rounds=ROUNDS),
-                                     FaultSchedule(script=SIM_FAULTS), data_ids=ids)
+                                     FaultSchedule(script=sim_faults), data_ids=ids)
         result = simulation.run()
     finally:
         torch.set_num_threads(threads)
     assert result.outcomes == {ids[i]: swarm[n] for i, n in enumerate("abc")}
+    return simulation
 
-    # Same parameters: the peers' last checkpoints (epoch 4) against the simulated workers' anchors. Only the
-    # summation order of the all-reduce differs (parts reduced across processes), so they agree to rounding
-    # (seen: 9.5e-7 at most, parameters up to 1.1).
+
+def _same_parameters(tmp_path: Path, simulation: SwarmSimulation) -> None:
+    # The peers' last checkpoints (epoch 4) against the simulated workers' anchors. Only the summation order of
+    # the all-reduce differs (parts reduced across processes), so they agree to rounding (seen: 9.5e-7 at
+    # most, parameters up to 1.1).
     for worker, name in zip(simulation.workers, "abc", strict=True):
         ck = load_latest(tmp_path / f"ck-{name}")
         assert ck is not None and ck.epoch == ROUNDS == worker.state.epoch
         for i, anchor in enumerate(worker.state.anchors):
             real = ck.tensors[f"param.{i}"]
             assert torch.allclose(real, anchor, rtol=0, atol=1e-5), (name, i, float((real - anchor).abs().max()))
+
+
+def test_one_fault_schedule_gives_the_same_outcomes_and_parameters_in_simulator_and_swarm(tmp_path: Path) -> None:
+    simulation = _swarm_then_simulator(
+        tmp_path, TIMING, SWARM_FAULTS,
+        {"a": ["averaged"] * 4, "b": ["averaged"] * 4, "c": ["averaged", "resynced", "folded_late", "averaged"]},
+        SIM_FAULTS)
+    _same_parameters(tmp_path, simulation)
+
+
+def test_eager_rounds_give_the_same_outcomes_and_parameters_in_simulator_and_swarm(tmp_path: Path) -> None:
+    simulation = _swarm_then_simulator(tmp_path, EAGER_TIMING, EAGER_FAULTS,
+                                       {n: ["own_only", "averaged", "averaged", "averaged"] for n in "abc"}, [])
+    _same_parameters(tmp_path, simulation)
+

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from p2p_diloco.core.delayed import StalenessPolicy
+from p2p_diloco.core.lease import BufferLease
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import Collected, RoundDriver
 from p2p_diloco.core.rounds import (
@@ -133,7 +134,8 @@ class FakePort:
     def before_allreduce(self) -> None:
         self.calls.append(("before_allreduce",))
 
-    def average(self, delta, weight, staleness, epoch, stale, stale_weight) -> RoundResult:
+    def average(self, lease, weight, staleness, epoch, stale_weight) -> RoundResult:
+        delta, stale = lease.in_flight()
         self.calls.append(("average", epoch, weight, staleness, None if stale is None else stale[0].clone(),
                            stale_weight))
         self.sent.append(delta)
@@ -168,8 +170,8 @@ class FakePort:
     def discard(self, why: str) -> None:
         self.calls.append(("discard", why))
 
-    def delta_buffers(self) -> list[torch.Tensor] | None:
-        return self.buffers
+    def lease(self) -> BufferLease | None:
+        return None if self.buffers is None else BufferLease(self.buffers, shared=True)
 
     def withdraw(self) -> None:
         self.calls.append(("withdraw",))
@@ -369,3 +371,19 @@ def test_late_work_after_a_failed_allreduce_is_recomputed_not_read_from_the_garb
     assert report.outcome is Outcome.RESYNCED
     assert driver.pending.late is not None and driver.pending.late.delta[0].tolist() == [-1.0] * 4
     assert driver.pending.late.delta[0].data_ptr() != shared[0].data_ptr()  # its own copy: the buffer is reused
+
+
+def test_a_restarted_peer_forgets_its_work_and_loads_the_swarms_state_or_its_own_anchors() -> None:
+    port = FakePort(swarm=0, donor=([torch.full((4,), 5.0)], 3))
+    driver, params = make(port)
+    driver.pending.stash_late([torch.ones(4)], 4.0, origin=0)
+    driver.pending.carry(2.0)
+    params[0].add_(1.0)
+    driver.restart()
+    assert driver.pending.late is None and not driver.pending.train_on
+    assert driver.state.epoch == 3 and params[0].tolist() == [5.0] * 4 and ("resync", 0) in port.calls
+    port.donor = None  # nobody serves: start again from the own anchors
+    params[0].add_(1.0)
+    driver.pending.carry(2.0)
+    driver.restart()
+    assert not driver.pending.train_on and driver.state.epoch == 3 and params[0].tolist() == [5.0] * 4

@@ -81,7 +81,8 @@ class ScriptedPort:
     def before_allreduce(self) -> None:
         pass
 
-    def average(self, delta, weight, staleness, epoch, stale, stale_weight) -> RoundResult:
+    def average(self, lease, weight, staleness, epoch, stale_weight) -> RoundResult:
+        delta, _ = lease.in_flight()
         self.sent.append(([t.clone() for t in delta], weight))
         if self.results.pop(0) == "fail":
             return RoundResult(Outcome.SKIPPED, "partial all-reduce: a member failed", epoch,
@@ -106,7 +107,7 @@ class ScriptedPort:
     def discard(self, why: str) -> None:
         pass
 
-    def delta_buffers(self) -> list[torch.Tensor] | None:
+    def lease(self) -> None:
         return None
 
     def withdraw(self) -> None:

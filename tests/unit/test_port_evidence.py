@@ -18,8 +18,9 @@ from p2p_diloco.core.evidence import (
     credited,
     state_verdict,
 )
+from p2p_diloco.core.lease import BufferLease, LeaseState
 from p2p_diloco.core.peer_state import OuterState
-from p2p_diloco.core.rounds import Outcome, RoundResult
+from p2p_diloco.core.rounds import LateWork, Outcome, RoundResult
 from p2p_diloco.peer.faults import NO_FAULTS
 from p2p_diloco.peer.port import DOWNLOAD_ATTEMPTS, SwarmPort
 from p2p_diloco.swarm.checksum import params_sha256, state_sha256, tensor_manifest
@@ -49,6 +50,9 @@ class ScriptedSwarm:
     phases: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``(phase_s, age_s)`` of a peer's record: how far into its inner phase it was, how long ago."""
     result: RoundResult | None = None
+    buffers: list[torch.Tensor] | None = None
+    """What ``fresh_buffers`` offers (the averager's shared buffers); None: a round still holds them."""
+    withdrawn_updates: int = 0
 
     def records(self) -> list[SimpleNamespace]:
         return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0),
@@ -74,7 +78,7 @@ class ScriptedSwarm:
         return update if update is not None and update.base == (base_sha, base_epoch) else None
 
     def withdraw_update(self) -> None:
-        pass
+        self.withdrawn_updates += 1
 
     def serve(self, anchors, momentum, epoch, *, checksum, manifest=None, update=None) -> str:  # noqa: ANN001
         return state_sha256(anchors, momentum, params_sha=manifest.sha if manifest is not None else None)
@@ -82,14 +86,23 @@ class ScriptedSwarm:
     def withdraw(self) -> None:
         pass
 
-    def fresh_buffers(self) -> None:
-        return None
+    def fresh_buffers(self) -> list[torch.Tensor] | None:
+        return self.buffers
 
     def average(self, delta, weight, staleness, epoch, stale, stale_weight, copy_out=True,  # noqa: ANN001
                 left_behind=None) -> RoundResult:  # noqa: ANN001
         self.averaged.append((weight, stale_weight))
         self.left_behind = left_behind
         return self.result
+
+
+def sent(delta: list[torch.Tensor], late: list[torch.Tensor] | None = None) -> BufferLease:
+    """A round's lease as the driver hands it to the port: in flight, folding ``late`` if given."""
+    lease = BufferLease(delta)
+    if late is not None:
+        lease.fold(LateWork(late, 1.0, 0))
+    lease.send()
+    return lease
 
 
 def _port(swarm: ScriptedSwarm) -> tuple[SwarmPort, OuterState]:
@@ -109,7 +122,7 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
     assert port.observe(3).swarm_epoch == 3  # one failed try, then the claim stops stalling it
     # After a complete round with a and b, the liar's claims never count, whatever it raises them to.
     swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
-    port.average([torch.zeros(4)], 1.0, 0, 3, None, 0.0)
+    port.average(sent([torch.zeros(4)]), 1.0, 0, 3, 0.0)
     swarm.claims["liar2"] = 10**7
     assert port.observe(3).swarm_epoch == 3
     swarm.claims["a"] = 4  # a trusted peer ahead still pulls this one along, checked against trusted peers
@@ -199,7 +212,7 @@ def test_port_gives_a_round_up_when_every_trusted_peer_moved_past_it() -> None:
     swarm = ScriptedSwarm(claims={"me": 3, "a": 3, "b": 3})
     port, _ = _port(swarm)
     swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
-    port.average([torch.zeros(4)], 1.0, 0, 3, None, 0.0)
+    port.average(sent([torch.zeros(4)]), 1.0, 0, 3, 0.0)
     assert swarm.left_behind is not None and not swarm.left_behind()
     swarm.claims["a"] = 4
     assert not swarm.left_behind()  # b still looks for the group of epoch 3
@@ -214,7 +227,7 @@ def test_port_checksum_vote_counts_groupmates_not_sybils() -> None:
     swarm.votes = {s: "f" * 64 for s in SYBILS} | {"me": mine}
     assert not port.in_minority(2)
     swarm.result = RoundResult(Outcome.AVERAGED, "", 2, contributors=("me", "a"), rejected=())
-    port.average([torch.zeros(4)], 1.0, 0, 2, None, 0.0)
+    port.average(sent([torch.zeros(4)]), 1.0, 0, 2, 0.0)
     swarm.votes["a"] = "1" * 64
     assert port.in_minority(2)  # the one peer it averaged with holds other parameters: it drifted
     swarm.votes["a"] = mine
@@ -224,8 +237,8 @@ def test_port_checksum_vote_counts_groupmates_not_sybils() -> None:
 def test_port_never_claims_more_than_max_round_weight() -> None:
     swarm = ScriptedSwarm(result=RoundResult(Outcome.SKIPPED, "alone", 0))
     port, _ = _port(swarm)
-    port.average([torch.zeros(4)], 1e6, 1, 0, [torch.zeros(4)], 250.0)  # e.g. work carried over many rounds
-    port.average([torch.zeros(4)], 40.0, 0, 0, None, 0.0)
+    port.average(sent([torch.zeros(4)], [torch.zeros(4)]), 1e6, 1, 0, 250.0)  # e.g. work carried over many rounds
+    port.average(sent([torch.zeros(4)]), 40.0, 0, 0, 0.0)
     assert swarm.averaged == [(100.0, 100.0), (40.0, 0.0)]
 
 
@@ -272,7 +285,7 @@ def test_a_joiner_one_round_behind_applies_the_missed_round_and_takes_part_in_th
     assert state.epoch == 4 and port.serving.state_digest() == swarm_sha  # bitwise the swarm's state
     assert port.observe(4).swarm_epoch == 4  # not behind: the round policy averages, it does not resync
     swarm.result = RoundResult(Outcome.AVERAGED, "", 4, contributors=("me", "a", "b"), rejected=())
-    port.average([torch.ones(4)], 1.0, 0, 4, None, 0.0)
+    port.average(sent([torch.ones(4)]), 1.0, 0, 4, 0.0)
     assert swarm.averaged == [(1.0, 0.0)]  # it contributed to the round right after its download
 
 
@@ -473,3 +486,19 @@ def test_a_failed_re_download_after_a_failed_catch_up_check_leaves_the_peer_on_i
     assert [m for m, _ in swarm.downloads] == [3, 4]  # the stepped result failed its check, then no download
     assert state.epoch == 0 and all(torch.equal(a, b) for a, b in zip(state.anchors, before, strict=True))
     assert port.serving.state_digest() == served_before and port.serving.state_digest() != swarm_sha
+
+
+def test_port_leases_the_averagers_shared_buffers_and_withdraws_the_served_update_around_them() -> None:
+    swarm = ScriptedSwarm(claims={"me": 0}, buffers=[torch.zeros(4)])
+    port, _ = _port(swarm)
+    lease = port.lease()
+    # the last round's update lives in these buffers whichever buffers its delta was written to: withdrawn first
+    assert lease is not None and lease.shared and swarm.withdrawn_updates == 1
+    assert lease.delta()[0].data_ptr() == swarm.buffers[0].data_ptr()  # no copy on the way to the all-reduce
+    lease.release()
+    assert swarm.withdrawn_updates == 2 and lease.state is LeaseState.RELEASED
+    swarm.buffers = None  # a round whose host side gave up still holds them: the driver's own buffers then
+    assert port.lease() is None
+    port.eager = True  # the overlap copies into the buffers itself
+    swarm.buffers = [torch.zeros(4)]
+    assert port.lease() is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,6 +40,23 @@ def test_scripted_faults_take_the_swarms_paths_and_synced_workers_agree() -> Non
     for w in sim.workers[1:]:
         for a, b in zip(sim.workers[0].state.anchors, w.state.anchors, strict=True):
             assert torch.equal(a, b)
+
+
+def test_eager_rounds_run_through_the_same_policy_and_a_late_worker_steps_on_its_own_term() -> None:
+    cfg = _cfg()
+    cfg = dataclasses.replace(cfg, outer=dataclasses.replace(cfg.outer, overlap="eager"))
+    faults = FaultSchedule(script=["late@1:2", "partial@3"])
+    sim = SwarmSimulation(cfg, SimConfig(mode="swarm", workers=3, rounds=5), faults)
+    outcomes = list(sim.run().outcomes.values())
+    # Round 0 has no previous round; each later round applies the previous round's background all-reduce. 2 was
+    # late in round 1: its launch found no group, so in round 2 it steps on its own term; the group of round 3
+    # failed (partial), so round 4 is own-term for everybody.
+    assert outcomes == [
+        ["own_only", "averaged", "averaged", "averaged", "own_only"],
+        ["own_only", "averaged", "averaged", "averaged", "own_only"],
+        ["own_only", "averaged", "own_only", "averaged", "own_only"],
+    ], outcomes
+    assert [w.state.epoch for w in sim.workers] == [5, 5, 5]
 
 
 def test_drawn_faults_are_reproducible_per_seed_and_round() -> None:
