@@ -11,6 +11,7 @@ import shutil
 from dataclasses import dataclass
 
 from p2p_diloco.cli.doctor_report import Check
+from p2p_diloco.cli.open_files import check_open_files
 from p2p_diloco.shared_memory import SHM_PATH, shared_bytes, shm_fix, shm_free_bytes
 
 GIB = 2**30
@@ -207,6 +208,7 @@ def check_resources(cfg, device) -> list[Check]:
                 fix = f"it fits with {best[0]} (about {best[1] / GIB:.2f} GiB); or " + fix
         checks.append(_fits("gpu memory", train, free, f"free on {device}", fix))
     checks.append(_check_disk(cfg, checkpoint_bytes(shape.parameters, cfg.outer.momentum)))
+    checks.append(check_open_files())
     return checks
 
 

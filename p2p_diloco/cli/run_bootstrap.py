@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
+from p2p_diloco.cli.open_files import raise_open_files_limit
 from p2p_diloco.config import RUN_ID_RULE, is_run_id
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
@@ -95,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser(PROG, "Run a DHT bootstrap node for a p2p_diloco swarm.", BootstrapConfig)
     cfg, args = parse_config(parser, BootstrapConfig, argv)
     setup_logging(args.verbose)
+    raise_open_files_limit()  # before the DHT's processes start: they inherit it (see cli.open_files)
     try:
         swarm = cfg.swarm()
     except ValueError as e:

@@ -33,6 +33,7 @@ import torch
 from p2p_diloco.build import build_local, build_model_and_tokenizer
 from p2p_diloco.checkpoint import CheckpointError, DamagedCheckpointError, load_latest, set_aside
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
+from p2p_diloco.cli.open_files import raise_open_files_limit
 from p2p_diloco.config_loader import to_dict
 from p2p_diloco.data.sources import DataSourceError
 from p2p_diloco.host_memory import return_freed_memory
@@ -154,6 +155,7 @@ def _main(argv: Sequence[str] | None) -> int:
                                "doctor, export, eval, plot (run_peer SUBCOMMAND --help).", PeerConfig)
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
+    raise_open_files_limit()  # before any child process: they inherit it (see cli.open_files)
     if (cfg.outer.fragments, cfg.outer.fragment_delay, cfg.outer.fragment_alpha) != (1, 0, 0.0):
         usage_error(PROG, "--fragments, --fragment-delay and --fragment-alpha: the swarm peer does not synchronise "
                           "fragments yet (Streaming DiLoCo runs in the simulator: python -m p2p_diloco.simulate "

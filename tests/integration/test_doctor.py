@@ -50,7 +50,7 @@ def test_doctor_checks_each_initial_peer_on_loopback(tmp_path: Path, capsys: pyt
 
     out = mixed.stdout
     assert mixed.returncode == 0, out + mixed.stderr
-    for name in ("packages", "device", "model", "memory", "shared memory", "disk", "p2p daemon", "averager",
+    for name in ("packages", "device", "model", "memory", "shared memory", "disk", "open files", "p2p daemon", "averager",
                  "reachability"):
         assert _line(out, "[ok  ] " + name), name
     # the port the daemon got, not the /tcp/0 it was asked for
