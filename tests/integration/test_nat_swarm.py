@@ -182,6 +182,7 @@ def test_a_mixed_swarm_public_forwarded_relayed_and_client(tmp_path: Path) -> No
     members = ("peer1", "peer2", "peer3", "peer4")
     rounds = {n: _rounds(tmp_path, n) for n in members}
     assert codes == {n: 0 for n in members}, {n: _tail(tmp_path, n) for n in members}
+    assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
     by_epoch: dict[int, dict[str, dict]] = defaultdict(dict)
     for name, rows in rounds.items():
         for r in rows:
