@@ -75,11 +75,7 @@ def hivemind_peer(args: argparse.Namespace) -> int:
                       outer=OuterConfig(local_steps=H), run=RunConfig(run_id="vs-hivemind", eval_every=1))
     local = build_local(cfg, peer_id=args.name)
     model = local.model
-    if args.initial_peers:
-        dht = hivemind.DHT(initial_peers=[args.initial_peers], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    else:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-        Path(args.maddr_file).write_text(str(dht.get_visible_maddrs()[0]))
+    dht = hivemind.DHT(initial_peers=[args.initial_peers], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
@@ -139,22 +135,28 @@ def hivemind_peer(args: argparse.Namespace) -> int:
 
 def run_hivemind(mode: str, peers: int, seconds: float, work: Path, matchmaking_s: float,
                  averaging_timeout_s: float) -> dict[str, Any]:
+    from p2p_diloco.demo import wait_for_maddr
+
     work.mkdir(parents=True, exist_ok=True)
-    maddr_file = work / "maddr"
+    # the same bootstrap node as p2p_diloco's side, so that every peer starts at once: a peer that starts
+    # late finds the others epochs ahead and spends its steps downloading their state
+    boot = _bootstrap(work)
     procs = []
-    for i in range(peers):
-        argv = [sys.executable, "-m", "benchmarks.vs_hivemind", "peer", "--mode", mode, "--name", f"hm{i}",
-                "--peers", str(peers), "--seconds", str(seconds), "--log", str(work / f"hm{i}.jsonl"),
-                "--maddr-file", str(maddr_file), "--matchmaking-s", str(matchmaking_s),
-                "--averaging-timeout-s", str(averaging_timeout_s)]
-        if i:
-            deadline = time.monotonic() + 300
-            while not maddr_file.exists() and time.monotonic() < deadline and procs[0].poll() is None:
-                time.sleep(0.5)
-            argv += ["--initial-peers", maddr_file.read_text().strip()]
-        procs.append(subprocess.Popen(argv, stdout=open(work / f"hm{i}.out", "w"), stderr=subprocess.STDOUT,
-                                      env=_env(), cwd=ROOT))
-    codes = [_wait(p, seconds + 600) for p in procs]
+    try:
+        maddr = wait_for_maddr(work / "bootstrap.out", boot)
+        for i in range(peers):
+            argv = [sys.executable, "-m", "benchmarks.vs_hivemind", "peer", "--mode", mode, "--name", f"hm{i}",
+                    "--peers", str(peers), "--seconds", str(seconds), "--log", str(work / f"hm{i}.jsonl"),
+                    "--initial-peers", maddr, "--matchmaking-s", str(matchmaking_s),
+                    "--averaging-timeout-s", str(averaging_timeout_s)]
+            procs.append(subprocess.Popen(argv, stdout=open(work / f"hm{i}.out", "w"), stderr=subprocess.STDOUT,
+                                          env=_env(), cwd=ROOT))
+        codes = [_wait(p, seconds + 600) for p in procs]
+    finally:
+        for proc in (*procs, boot):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
     per_peer = []
     for i in range(peers):
         rows = _rows(work / f"hm{i}.jsonl")
@@ -173,9 +175,7 @@ def run_p2p(peers: int, seconds: float, work: Path) -> dict[str, Any]:
     from p2p_diloco.demo import wait_for_maddr
 
     work.mkdir(parents=True, exist_ok=True)
-    boot = subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path",
-                             str(work / "bootstrap.id"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-                            stdout=open(work / "bootstrap.out", "w"), stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+    boot = _bootstrap(work)
     procs = []
     try:
         maddr = wait_for_maddr(work / "bootstrap.out", boot)
@@ -223,9 +223,17 @@ def run_p2p(peers: int, seconds: float, work: Path) -> dict[str, Any]:
                              params_sha256=rounds[-1]["params_sha256"] if rounds else None,
                              epoch=rounds[-1]["new_epoch"] if rounds else None,
                              bytes_sent=sum(r["bytes_sent"] for r in rounds),
+                             sha_by_epoch={r["new_epoch"]: r["params_sha256"] for r in rounds},
                              outer=start["config"]["outer"]["choice"],
                              outcomes=[r["outcome"] for r in rounds]))
     return dict(side="p2p", exit_codes=codes, peers=per_peer, settings=dict(defaults=True))
+
+
+def _bootstrap(work: Path) -> subprocess.Popen:
+    """A DHT node for one side's peers to meet at (p2p_diloco's bootstrap, a plain hivemind DHT node)."""
+    return subprocess.Popen([sys.executable, "-m", "p2p_diloco.cli.run_bootstrap", "--identity-path",
+                             str(work / "bootstrap.id"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+                            stdout=open(work / "bootstrap.out", "w"), stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> int:
@@ -262,11 +270,18 @@ def summarize(sides: list[dict[str, Any]]) -> dict[str, Any]:
         times = [next((t for t, _, loss in p["curve"] if loss <= target), None) for p in side["peers"]]
         return max(times) if times and all(t is not None for t in times) else None
 
+    def identical(side: dict[str, Any]) -> bool:
+        # p2p_diloco's peers are stopped mid-round at different epochs: compare the last epoch they all reached
+        if all("sha_by_epoch" in p for p in side["peers"]):
+            common = set.intersection(*(set(p["sha_by_epoch"]) for p in side["peers"]))
+            return bool(common) and len({p["sha_by_epoch"][max(common)] for p in side["peers"]}) == 1
+        return len({p["params_sha256"] for p in side["peers"]}) == 1
+
     return dict(
         final_eval_loss=finals, common_loss=target, seconds_to_common_loss={s["side"]: reach(s) for s in sides},
         steps_per_peer={s["side"]: statistics.fmean(p["steps"] or 0 for p in s["peers"]) for s in sides},
         utilization={s["side"]: statistics.fmean(p["utilization"] or 0 for p in s["peers"]) for s in sides},
-        identical_params={s["side"]: len({p["params_sha256"] for p in s["peers"]}) == 1 for s in sides},
+        identical_params={s["side"]: identical(s) for s in sides},
         bytes_sent_per_peer={s["side"]: (statistics.fmean(p["bytes_sent"] for p in s["peers"])
                                          if all(p["bytes_sent"] is not None for p in s["peers"]) else None)
                              for s in sides})
@@ -302,9 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd")
     p = sub.add_parser("peer", help="(internal) one hivemind.Optimizer peer")
     p.add_argument("--mode", choices=["local", "grad"], required=True)
-    for name in ("--name", "--log", "--maddr-file"):
+    for name in ("--name", "--log", "--initial-peers"):
         p.add_argument(name, required=True)
-    p.add_argument("--initial-peers", default=None)
     p.add_argument("--peers", type=int, required=True)
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--matchmaking-s", type=float, default=15.0)
@@ -315,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hm-matchmaking-s", type=float, default=15.0)
     parser.add_argument("--quick", action="store_true", help="2 peers, 90 s per side: checks the script")
     parser.add_argument("--out", type=Path, default=RESULTS / "vs_hivemind.json")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep every peer's logs here (default: a temporary folder, removed at the end)")
     args = parser.parse_args(argv)
     if args.cmd == "peer":
         return hivemind_peer(args)
@@ -322,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.peers, args.seconds = 2, 90.0
     sides = []
-    with tempfile.TemporaryDirectory(prefix="vs_hivemind_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vs_hivemind_") as tmp_dir:
+        tmp = args.work_dir or Path(tmp_dir)
         for side in args.sides.split(","):
             logging.info("side %s: %d peers, %.0f s", side, args.peers, args.seconds)
+            load_before = os.getloadavg()
             if side == "p2p":
                 sides.append(run_p2p(args.peers, args.seconds, Path(tmp) / side))
             elif side in ("hm-local", "hm-grad"):
@@ -332,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                                           args.hm_matchmaking_s, 60.0))
             else:
                 parser.error(f"--sides: unknown side {side!r}")
-            logging.info("side %s: exit codes %s", side, sides[-1]["exit_codes"])
+            # the peers share the machine's cores with whatever else runs: the load goes beside every number
+            sides[-1]["load_average"] = dict(before_1m=load_before[0], after_1m=os.getloadavg()[0],
+                                             after_5m=os.getloadavg()[1])
+            logging.info("side %s: exit codes %s, load %s", side, sides[-1]["exit_codes"], sides[-1]["load_average"])
     summary = summarize(sides)
     payload = dict(quick=args.quick, peers=args.peers, seconds=args.seconds,
                    settings=dict(model=MODEL, seq_len=SEQ_LEN, batch=BATCH, inner_lr=INNER_LR, warmup=WARMUP, H=H,
