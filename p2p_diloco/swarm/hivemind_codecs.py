@@ -75,6 +75,7 @@ from p2p_diloco.core.sparse import (
     DEFAULT_TOPK,
     SPARSE_CODEC_NAMES,
     SparseAverageCodec,
+    SparsePartError,
     TopKCodec,
 )
 
@@ -233,6 +234,11 @@ class CodecCompression(CompressionBase):
         if dtype is None:
             raise ValueError(f"unsupported dtype {serialized_tensor.dtype!r} in compressed tensor")
         codec = _codec_for(codec_id, param)
+        if isinstance(codec, TopKCodec) and isinstance(self.codec, TopKCodec) and (
+                codec.chunk_size != self.codec.chunk_size or codec.k > self.codec.k):
+            # parts and replies are both top-k of our chunk size with at most our k: a header cannot raise it
+            raise SparsePartError(f"more than k entries: the header claims {codec.k} of {codec.chunk_size}, "
+                                  f"this swarm sends at most {self.codec.k} of {self.codec.chunk_size}")
         shape = tuple(serialized_tensor.size)
         tensor = codec.decode(memoryview(buffer)[HEADER_NBYTES:], shape).to(dtype)
         return tensor.requires_grad_(serialized_tensor.requires_grad)
