@@ -234,8 +234,17 @@ def test_sparse_parts_carry_chunk_and_k_in_the_header_and_replies_their_own_code
     # a reducer's own part: what a remote reducer would decode, through the same error feedback
     own = compression.own_part(x, CompressionInfo.from_tensor(x, key=7))
     assert int((own != 0).sum()) == 80 and len(compression.error_feedback) == 2
+    # what the reply dropped comes back to the residual of that part, once
+    residual = compression.error_feedback.residual((3, 0)).clone()
+    replied = compression.extract(reply)
+    credited = compression.credit_reply(3, 0, replied)
+    assert credited == int(((replied == 0) & (decoded != 0)).sum()) > 0
+    assert torch.equal(compression.error_feedback.residual((3, 0)), torch.where(replied == 0, residual + decoded,
+                                                                                residual))
+    assert compression.credit_reply(3, 0, replied) == 0  # used up
     compression.reset_residuals()
     assert len(compression.error_feedback) == 0
+    assert compression.credit_reply(7, 0, own) == 0  # a reset (a rejected part) owes nothing
 
 
 def test_zero_parts_are_sent_without_the_residual() -> None:
