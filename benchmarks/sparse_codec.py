@@ -185,7 +185,8 @@ def main() -> None:
     horizons = json.loads(store.read_text()) if store.exists() else {}
     if "none" in horizons:  # the first format held one horizon's rows
         horizons = {"6": horizons}
-    horizons[str(args.rounds)] = rows
+    horizons[str(args.rounds)] = {**horizons.get(str(args.rounds), {}), **rows}  # rows not rerun stay
+    rows = horizons[str(args.rounds)]
     store.write_text(json.dumps(horizons, indent=1))
     lines = [line for key in sorted(horizons, key=int) for line in [*report(horizons[key], int(key)), ""]]
     replace_section(ROOT / "BENCHMARKS.md", "sparse-codec", "\n".join(lines))
