@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import statistics
 from pathlib import Path
 
 from benchmarks.report import replace_section
@@ -106,10 +107,10 @@ def report(rows: dict[str, list[dict]], rounds: int) -> list[str]:
     return lines
 
 
-def sweep_report(paths: dict[str, Path], fp32_per_round: float, rows: dict[str, list[dict]]) -> list[str]:
+def sweep_report(paths: dict[str, list[Path]], fp32_per_round: float, rows: dict[str, list[dict]]) -> list[str]:
     """The sweep section: each codec at its best outer settings (mean of the sweep's seeds), with a PNG.
 
-    ``paths``: codec label -> the JSON of ``python -m p2p_diloco.simulate sweep ... --json``; bytes per round
+    ``paths``: codec label -> the JSONs (their grids merged) of ``python -m p2p_diloco.simulate sweep ... --json``; bytes per round
     come from the stored single runs of the same label (the outer settings do not change a codec's bytes
     beyond the counts of all-zero chunks)."""
     import matplotlib
@@ -117,7 +118,19 @@ def sweep_report(paths: dict[str, Path], fp32_per_round: float, rows: dict[str, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sweeps = {label: json.loads(path.read_text()) for label, path in paths.items()}
+    sweeps: dict[str, dict] = {}
+    for label, label_paths in paths.items():  # several sweeps of one label: their grids together
+        for path in label_paths:
+            sweep = json.loads(path.read_text())
+            if label in sweeps:
+                sweeps[label]["points"] += sweep["points"]
+            else:
+                sweeps[label] = sweep
+    for sweep in sweeps.values():
+        for point in sweep["points"]:
+            point["mean"] = statistics.fmean(point["finals"])
+            point["std"] = statistics.stdev(point["finals"]) if len(point["finals"]) > 1 else 0.0
+        sweep["best"] = {"diloco": min(sweep["points"], key=lambda p: p["mean"])}
     (RESULTS / "sparse_codec_sweep.json").write_text(json.dumps(sweeps, indent=1))
     base = sweeps["none"]["best"]["diloco"]
     lines = [
@@ -126,7 +139,7 @@ def sweep_report(paths: dict[str, Path], fp32_per_round: float, rows: dict[str, 
         f"{sweeps['none']['seeds']}; equal compute: every cell runs the same inner steps). Each codec at its best"
         " outer lr and momentum of the grid; loss is the mean over seeds (± standard deviation).",
         "",
-        "| codec | grid (lr x momentum) | best lr | best momentum | final eval loss | vs none at its best |"
+        "| codec | cells swept (lr/momentum) | best lr | best momentum | final eval loss | vs none at its best |"
         " bytes sent per peer per round | / fp32 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -134,13 +147,13 @@ def sweep_report(paths: dict[str, Path], fp32_per_round: float, rows: dict[str, 
     for label, sweep in sweeps.items():
         best = sweep["best"]["diloco"]
         points = sweep["points"]
-        lrs = sorted({p["outer_lr"] for p in points})
-        moms = sorted({p["outer_momentum"] for p in points})
+        cells = ", ".join(f"{p['outer_lr']:g}/{p['outer_momentum']:g}"
+                          for p in sorted(points, key=lambda p: (p["outer_lr"], p["outer_momentum"])))
         runs = rows.get(label, [])
         per_round = (sum(r["total_bytes_sent_per_worker"] / len(r["rounds"]) for r in runs) / len(runs)
                      if runs else float("nan"))
         lines.append(
-            f"| {LABELS[label]} | {lrs} x {moms} | {best['outer_lr']:g} | {best['outer_momentum']:g} | "
+            f"| {LABELS[label]} | {cells} | {best['outer_lr']:g} | {best['outer_momentum']:g} | "
             f"{best['mean']:.4f} ± {best['std']:.4f} | {100 * (best['mean'] / base['mean'] - 1):+.2f}% | "
             f"{per_round:,.0f} | 1/{fp32_per_round / per_round:.1f} |")
         curves = [c for c in best["curves"] if c]
@@ -194,7 +207,10 @@ def main() -> None:
     if args.sweep:
         none = rows["none"]
         fp32_per_round = none[0]["total_bytes_sent_per_worker"] / len(none[0]["rounds"])
-        table = sweep_report({label: Path(path) for label, path in args.sweep}, fp32_per_round, rows)
+        paths: dict[str, list[Path]] = {}
+        for label, path in args.sweep:
+            paths.setdefault(label, []).append(Path(path))
+        table = sweep_report(paths, fp32_per_round, rows)
         replace_section(ROOT / "BENCHMARKS.md", "sparse-codec-sweep", "\n".join(table))
         print("\n".join(table))
 
