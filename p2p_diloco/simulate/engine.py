@@ -239,7 +239,7 @@ def allreduce_bytes(nbytes: int, workers: int, reply_nbytes: int | None = None) 
     """Bytes each peer sends in a bandwidth-optimal all-reduce of ``nbytes`` (reduce-scatter + gather).
 
     ``reply_nbytes``: the size of the whole reduced vector as the reducers send it back, when it differs from
-    ``nbytes`` (the sparse codecs: the union of the senders' entries). A peer sends ``(n-1)/n`` of its own
+    ``nbytes`` (the sparse codecs: the aggregate's own top-k, whose all-zero chunks are smaller). A peer sends ``(n-1)/n`` of its own
     vector and its ``1/n`` of the reply to ``n-1`` members; by symmetry it receives as much."""
     if workers < 2:
         return 0
