@@ -247,15 +247,19 @@ class OuterConfig:
     """Codec for pseudo-gradients on the wire: fp16 halves the bytes, int8 quarters them, 4bit sends about
     1/8 of fp32 (per-block scales). 'topk' sends the ``topk_k`` largest of every ``topk_chunk_size`` values at
     2 bits each with 12-bit positions: a sender's parts are 1/140 of fp32 at 64 of 4096; 'topk-sign' sends
-    their signs only (1/153). The sparse codecs need ``error_feedback`` (98% of each round's values wait in
-    it for a later round). A reducer answers with the union of its senders' entries (int8 values): about
-    1/16 of fp32 at 8 members whose entries do not coincide, less where they do; that answer, sent to every
-    member, is most of a sparse round's bytes (see ``core.sparse``). Measured so far (BENCHMARKS.md,
-    "Sparse-codec", tiny preset, 4 workers, 6 rounds of H = 10, one seed): 4bit cost 0.03% of final eval loss
-    at 1/7.8 of fp32's bytes; topk 64/4096 cost 56% at 1/53, topk 256/4096 13% at 1/19.5; over 20 rounds
-    4bit cost 0.05% and topk 64/4096 8.9% (at 1/49.5): the gap closes with rounds, not yet gone. So the default
-    stays 'none'; choose 4bit on home links, and topk only for long runs whose round the uplink bounds (1B+
-    models), after checking its loss at your run length with ``python -m p2p_diloco.simulate``."""
+    their signs only (1/153). A reducer answers a sparse codec with the aggregate's own top-k at 2 bits, so
+    a round costs about 1/140 of fp32's bytes each way at any group size (1/134 measured). The sparse codecs
+    need ``error_feedback`` (98% of each round's values wait in it for a later round) and a larger outer step
+    than dense codecs. Measured (BENCHMARKS.md, "Sparse-codec", tiny preset, 4 workers, 20 rounds of H = 10,
+    3 seeds, each codec at its best outer settings of a sweep): none 2.2973 at lr 1, momentum 0; topk 64/4096
+    with error feedback 0.95 and the reply's leftovers credited back at lr 3, momentum 0: 2.4148, +5.1% at
+    1/134 of the bytes (lr 1 without momentum, the published setting, was +18.5%); 4bit cost 0.05% (one
+    seed) at 1/7.8 of the bytes. The swarm does not credit the reply's leftovers yet (BENCHMARKS: at lr 1
+    crediting cut the gap from 19.9% to 15.4%), so expect more there. So the default stays 'none' (nothing to tune, exact); choose 4bit on home links (a
+    loss cost not measurable here), and topk when the uplink bounds the round (1B+ models at 10-50 Mbit/s)
+    and a few percent of loss at equal steps is worth 18x fewer bytes than 4bit: then set ``lr`` from
+    ``python -m p2p_diloco.simulate sweep --compression topk --error-feedback`` at your H and k (about 3 with
+    momentum 0 here, not the dense codecs' 1)."""
 
     topk_chunk_size: int = 4096
     """Values per chunk for the sparse codecs (a power of two, 16-32768): top-k is taken per chunk, so every

@@ -41,7 +41,8 @@ CODEC_NORM_GAIN = {"none": 1.0, "fp16": 1.0 + 2.0**-10, "int8": 1.1, "4bit": 1.4
 each value by at most absmax/254 (at most 4.5% of a block's norm with 128 values); E3M0 rounds up by at most
 1/3 (plus up to absmax/256 for the smallest values and 0.8% for the bf16 scale). The sparse codecs never raise
 a chunk's norm beyond the bf16 rounding of their levels (each level is a mean of the magnitudes it stands
-for), but a reducer answers with int8 (``core.sparse.SparseAverageCodec``): int8's gain."""
+for), and a reducer answers with the same codec (the aggregate's own top-k); int8's gain still covers the
+union reply of earlier releases (``core.sparse.SparseAverageCodec``)."""
 ERROR_FEEDBACK_SLACK = 2.0
 """Factor allowed on top of a codec's gain when error feedback adds last round's residual to the values."""
 FLOAT_SLACK = 1.001

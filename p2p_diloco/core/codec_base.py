@@ -87,7 +87,7 @@ class Codec(ABC):
     @property
     def reply_codec(self) -> Codec:
         """The codec a reducer sends its aggregate back with: the same one, except for the sparse codecs,
-        whose aggregate (the union of the senders' entries) goes back as ``core.sparse.SparseAverageCodec``."""
+        whose aggregate goes back as its own top-k (``core.sparse.TopKCodec.reply_codec``)."""
         return self
 
     def __repr__(self) -> str:

@@ -328,6 +328,31 @@ class ErrorFeedback:
         self._residuals[key] = corrected.sub_(self.codec.decode(data, corrected.shape))
         return data
 
+    def credit_undelivered(self, key: Hashable, sent: Tensor, delivered: Tensor) -> int:
+        """Return to ``residual[key]`` the values we sent under ``key`` that the reply did not carry back.
+
+        ``sent`` is what a receiver decoded from our part (``codec.decode`` of what :meth:`encode` returned),
+        ``delivered`` the decoded reply for the same part: where the reply is zero, the aggregate's entry was
+        dropped by the reducer's re-sparsification (a sparse codec's reply is the aggregate's own top-k), and
+        our share of it comes back to us instead of being lost. Summed over the senders of a mean this returns
+        exactly the dropped aggregate (times the group size) to the group's next rounds; every member still
+        applies the same reply, so parameters stay identical: only private residuals change. Returns how many
+        values were credited. Call it only for a part whose round was applied (a skipped round already keeps
+        its pseudo-gradient as late work) and never for a part the reducers rejected (its residual is reset)."""
+        sent = sent.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        delivered = delivered.detach().to(device="cpu").reshape(-1)
+        if sent.shape != delivered.shape:
+            raise ValueError(f"error feedback {key!r}: sent {tuple(sent.shape)} values, the reply has "
+                             f"{tuple(delivered.shape)}")
+        undelivered = (delivered == 0) & (sent != 0)
+        residual = self._residuals.get(key)
+        if residual is None or residual.numel() != sent.numel():
+            residual = torch.zeros_like(sent)
+        flat = residual.reshape(-1)
+        flat[undelivered] += sent[undelivered]
+        self._residuals[key] = flat.reshape(residual.shape)
+        return int(undelivered.sum())
+
     def residual(self, key: Hashable) -> Tensor | None:
         """The error still owed for ``key`` (None if nothing was encoded under it)."""
         return self._residuals.get(key)

@@ -36,7 +36,8 @@ contributes this round; the rest waits in its error-feedback residual). So:
 - The norm screen compares the senders' sparse vectors, all of which keep about ``k`` of every chunk.
 
 All three return a vector that is zero outside the union of the senders' entries (trimming and clipping
-only average or shrink what senders sent), so the reducer's reply fits ``core.sparse.SparseAverageCodec``.
+only average or shrink what senders sent); the reducer's reply keeps that vector's own top-k of every chunk
+(``core.sparse.TopKCodec.reply_codec``).
 """
 
 from __future__ import annotations

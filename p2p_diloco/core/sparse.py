@@ -1,6 +1,6 @@
 """Sparse pseudo-gradient codecs: chunked top-k, kept values at 2 bits (or 1), and the reducer's reply.
 
-Two codecs a sender chooses between, and one a reducer answers with:
+Two codecs a sender chooses between; a reducer answers with the first (``TopKCodec.reply_codec``):
 
 =============  ===========================================================  ==========================
 name           what is sent per chunk of ``C`` values (default 64 of 4096)  bytes / fp32 (C=4096, k=64)
@@ -8,9 +8,16 @@ name           what is sent per chunk of ``C`` values (default 64 of 4096)  byte
 ``topk``       the ``k`` largest magnitudes: 12-bit offsets, 2-bit codes     117 / 16384 = 1/140
                (sign, low/high level), two bf16 levels, a count byte
 ``topk-sign``  the same offsets, 1-bit signs and one bf16 scale              107 / 16384 = 1/153
-reply          the reducer's aggregate of up to ``N·k`` entries per chunk:   1/16 at N = 8 (1.96 bits a
-               positions (offsets or a bitmap) and int8 × bf16 chunk scale   value, random entries)
+reply          the aggregate's own top ``k`` per chunk, as ``topk``          1/140 (as a part)
+union reply    the previous reply, still decoded (``SparseAverageCodec``):  1/16 at N = 8 (1.96 bits a
+               all of the aggregate's up to ``N·k`` entries: positions       value, random entries)
+               (offsets or a bitmap) and int8 × bf16 chunk scale
 =============  ===========================================================  ==========================
+
+A round then costs each peer ``(N-1)/N`` of its vector's parts plus its ``1/N`` of the replies to ``N-1``
+members, ``(N-1)/N · 2 · 117`` bytes per 4096 values against fp32's ``(N-1)/N · 2 · 16384``: 1/140 of
+fp32's bytes in each direction at every ``N`` (1/134 measured in the simulator, where some chunks hold
+fewer non-zero values).
 
 The byte counts are exact, every count, level, index and padding bit included (the wire adapter adds its
 8-byte header per part, ``swarm.hivemind_codecs.HEADER_NBYTES``). Always combine the sender codecs with error
@@ -37,17 +44,25 @@ Design decisions (measured where a number is given):
   8.44 at 4, 7.56 at 6), the entropy bound is 7.36, a bitmap 64: Rice would save 4.5 of every 12 bits, 117
   bytes per chunk down to 81 (1/202 of fp32 instead of 1/140). Fixed offsets were chosen because a part's
   exact size then follows from its per-chunk counts alone (checked before any value is read), and decoding
-  is a vectorised unpack instead of a bit-serial parse of hostile input. The senders' parts are not most of
-  a round's bytes (the reducers' union replies are, see below), so Rice would cut a round's bytes by far
-  less than 31%; revisit together with the replies.
+  is a vectorised unpack instead of a bit-serial parse of hostile input. With top-k replies (below) both
+  directions are parts of this layout, so Rice would cut a round's bytes by about 31% (to 1/202 of fp32):
+  the next step if the uplink still bounds the round; when the replies were unions it would have saved little.
 * **Variable counts.** A chunk sends ``min(k, its non-zero values)`` entries, one count byte per chunk (two
   when ``k > 255``): an all-zero chunk (a member without late work, a frozen layer) costs 1 + levels bytes.
-* **The reducer's reply** (``SparseAverageCodec``): the aggregate of N senders' top-k parts is non-zero only
-  on the union of their positions, at most ``N·k`` per chunk (mean, trimmed mean and centered clipping all
-  keep that support, see ``core.robust``). It is sent as per-chunk counts, the positions (sorted 12-bit
-  offsets, or one bitmap for the whole part when that is smaller) and int8 values with a bf16 absmax scale
-  per chunk: lossy once (at most ``absmax/254`` per value), not error-fed back (the reducer of a slice
-  changes from round to round), and identical for every member because every member decodes the same bytes.
+* **The reducer's reply: the aggregate's own top-k** (``reply_codec``, a ``TopKCodec`` with the senders'
+  chunk size and ``k``, 2 bits also for ``topk-sign`` senders). The aggregate of N senders' parts is
+  non-zero on the union of their positions, up to ``N·k`` per chunk (mean, trimmed mean and centered
+  clipping all keep that support, see ``core.robust``). Sending that union (``SparseAverageCodec``:
+  positions and int8 values) cost 1/32 of fp32 at N = 4 and made a round 1/50 of fp32's bytes
+  (BENCHMARKS.md, "Sparse-codec"); re-sparsifying it to ``k`` per chunk makes a reply cost what a part costs,
+  and a round 1/134 (measured). What the reply drops is not lost where the caller wires
+  :meth:`p2p_diloco.core.codecs.ErrorFeedback.credit_undelivered`: each sender returns to its own residual
+  the values it sent at positions the reply left empty, which summed over the senders is exactly the dropped
+  aggregate times N, so the group sends it again in later rounds (the reducer of a slice changes from round
+  to round and cannot keep it; a sender's residual is private, so parameters stay identical). Only the
+  2-bit rounding of the kept aggregate entries is lost. The reply is identical for every member because
+  every member decodes the same bytes, and a receiver checks it as a part (at most ``k`` entries per chunk:
+  a header claiming more is refused, ``swarm.hivemind_codecs``).
 * **Decoders reject everything malformed, each with a reason** (:class:`SparsePartError`): a declared size
   that disagrees with the bytes, more than ``k`` entries in a chunk, an index out of its chunk, a repeated
   or unsorted index, a NaN, infinite or negative level, non-zero padding. Nothing is returned for a part
@@ -58,7 +73,7 @@ Layout of a ``topk``/``topk-sign`` part of ``n`` values, ``m = ceil(n / C)`` chu
 scales (sign) as bf16, ``E`` offsets of ``log2(C)`` bits packed LSB first and padded to a byte, ``E`` codes
 of 2 bits (bit 0: negative, bit 1: high level) or 1 bit (negative) packed the same way.
 
-Layout of a reply part: one byte ``0`` (offsets) or ``1`` (bitmap), ``m`` u16 counts, ``m`` bf16 scales,
+Layout of a union reply part (``SparseAverageCodec``): one byte ``0`` (offsets) or ``1`` (bitmap), ``m`` u16 counts, ``m`` bf16 scales,
 the positions (``E`` offsets, or ``n`` bits), then ``E`` int8 values in ``[-127, 127]``.
 """
 
@@ -216,7 +231,11 @@ class TopKCodec(_SparseBase):
 
     @property
     def reply_codec(self) -> Codec:
-        return SparseAverageCodec(self.chunk_size)
+        """The reducer's answer: the aggregate's own top-``k`` per chunk at 2 bits (``topk``, same chunk size
+        and ``k``, also for ``topk-sign`` senders), so the reply costs what a sender's part costs and a round
+        is about 1/140 of fp32's bytes each way. What the re-sparsification drops is returned to the senders'
+        residuals by :meth:`ErrorFeedback.credit_undelivered` where the caller wires it (module docstring)."""
+        return TopKCodec(self.chunk_size, self.k)
 
     def part_bits_per_value(self) -> float:
         """4 bits, not the wire's 0.23: hivemind sizes all-reduce parts by wire bytes, and a reducer holds one
@@ -322,7 +341,8 @@ class TopKCodec(_SparseBase):
 
 
 class SparseAverageCodec(_SparseBase):
-    """The reducer's reply for sparse senders: the aggregate's non-zero values, at their positions.
+    """The previous reply for sparse senders, the aggregate's non-zero values at their positions: still
+    decoded (peers of an earlier release send it), no longer sent (see the module docstring's reply).
 
     ``k`` is the most entries a chunk of a reply may hold; the wire adapter sets it to the chunk size (a
     reply is checked against the shape, not a group size the receiver would have to trust), so a hostile

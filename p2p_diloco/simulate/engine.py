@@ -86,6 +86,13 @@ class SimConfig:
     by kernel launches (small models on a GPU); on a CPU, where the matrix products dominate, 1.2-1.5x less
     CPU time per step at the tiny preset's small batches and none at 8 x 128 or on the mini preset
     (BENCHMARKS.md, "Simulator speed"). The other modes ignore it."""
+    credit_undelivered: bool = False
+    """With a sparse codec and error feedback: after each round every honest worker returns to its residual
+    the entries it sent that the reducers' re-sparsified reply dropped
+    (``core.codecs.ErrorFeedback.credit_undelivered``), so they are delayed instead of lost. The swarm does
+    not do this yet (its runner would have to hand each reply to the sender's codec), so the default keeps
+    the simulator equal to the swarm; turn it on to measure what wiring it would gain (BENCHMARKS.md,
+    "Sparse-codec"). diloco, fedavg and eager modes."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -232,7 +239,7 @@ def allreduce_bytes(nbytes: int, workers: int, reply_nbytes: int | None = None) 
     """Bytes each peer sends in a bandwidth-optimal all-reduce of ``nbytes`` (reduce-scatter + gather).
 
     ``reply_nbytes``: the size of the whole reduced vector as the reducers send it back, when it differs from
-    ``nbytes`` (the sparse codecs: the union of the senders' entries). A peer sends ``(n-1)/n`` of its own
+    ``nbytes`` (the sparse codecs: the aggregate's own top-k, whose all-zero chunks are smaller). A peer sends ``(n-1)/n`` of its own
     vector and its ``1/n`` of the reply to ``n-1`` members; by symmetry it receives as much."""
     if workers < 2:
         return 0

@@ -127,6 +127,18 @@ def _reply(codec: Codec, mean: Sequence[torch.Tensor]) -> tuple[list[torch.Tenso
     return [reply.decode(d, t.shape) for d, t in zip(data, mean, strict=True)], sum(len(d) for d in data)
 
 
+def _credit_undelivered(sim: SimConfig, workers: Sequence[Worker], decoded: Sequence[Sequence[torch.Tensor]],
+                        replied: Sequence[torch.Tensor], banned: set[int]) -> None:
+    """``SimConfig.credit_undelivered``: each honest, unbanned worker takes back what the reply dropped."""
+    if not sim.credit_undelivered:
+        return
+    for w, sent in zip(workers, decoded, strict=True):
+        if w.state.feedback is None or w.index in sim.byzantine or w.index in banned:
+            continue
+        for index, (t, r) in enumerate(zip(sent, replied, strict=True)):
+            w.state.feedback.credit_undelivered(index, t, r)
+
+
 def run_sync(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None) -> SimResult:
     """diloco and fedavg: every worker runs H steps from the shared anchors, then one outer step."""
     lr, momentum = (1.0, 0.0) if sim.mode == "fedavg" else (cfg.outer.lr, cfg.outer.momentum)
@@ -137,9 +149,10 @@ def run_sync(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None)
     result = _result(cfg, sim, _eval(judge))
     clock, steps, sent = 0.0, 0, 0
     for rnd in range(1, sim.rounds + 1):
-        sent_all, weights, nbytes = [], [], 0
+        sent_all, own_all, weights, nbytes = [], [], [], 0
         for w, stats in zip(workers, train_round(workers, H), strict=True):
             decoded, nbytes = w.state.encode(w.state.pseudo_gradient(w.params))
+            own_all.append(decoded)
             sent_all.append(sent_by(sim, w, decoded))
             weights.append(float(stats.samples))
             steps += H
@@ -149,6 +162,7 @@ def run_sync(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None)
         )
         # The reduced result travels back through the codec's reply encoding.
         replied, reply_nbytes = _reply(workers[0].state.codec, mean)
+        _credit_undelivered(sim, workers, own_all, replied, {b for _, b, _ in reduction.new_bans})
         aggregate = RoundAggregate(replied, None, stats)
         for w in workers:
             w.state.apply(aggregate, w.params)
@@ -170,10 +184,11 @@ def run_eager(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None
     prev_avg: list[torch.Tensor] | None = None
     prev_shares: list[float] = []
     for rnd in range(1, sim.rounds + 1):
-        fresh, decoded_all, weights, nbytes = [], [], [], 0
+        fresh, decoded_all, decoded_all_own, weights, nbytes = [], [], [], [], 0
         for w, stats in zip(workers, train_round(workers, H), strict=True):
             delta = [t.clone() for t in w.state.pseudo_gradient(w.params)]
             decoded, nbytes = w.state.encode(delta)
+            decoded_all_own.append(decoded)
             fresh.append(delta)
             decoded_all.append(sent_by(sim, w, decoded))
             weights.append(float(stats.samples))
@@ -184,6 +199,7 @@ def run_eager(cfg: TrainConfig, sim: SimConfig, progress: Progress | None = None
         # Launched now, used next round: the all-reduce hides behind the next inner phase.
         mean = _allreduce(reduction, decoded_all, weights, result, rnd, workers)
         prev_avg, reply_nbytes = _reply(workers[0].state.codec, mean)
+        _credit_undelivered(sim, workers, decoded_all_own, prev_avg, {b for _, b, _ in reduction.new_bans})
         prev_shares = [x / sum(weights) for x in weights]
         phase = max(H * sim.step_time_s / w.speed for w in workers)
         clock += max(phase, allreduce_seconds(nbytes, sim.workers, sim.bandwidth_mbps, reply_nbytes))

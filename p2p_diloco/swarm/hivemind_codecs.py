@@ -42,9 +42,11 @@ the error to.
 Sparse codecs (``topk``, ``topk-sign``; ``core.sparse``). In the butterfly all-reduce every reducer owns a
 slice of the flat vector; a sender's part for it is that slice's chunked top-k (its own error feedback
 keyed by tensor and part), which the reducer decodes to a dense part that is zero off the sender's entries,
-so checks, norm screen and aggregation (``swarm.reducer``, ``core.robust``) run unchanged. The aggregate is
-non-zero only on the union of the senders' entries, at most ``N·k`` per chunk, and goes back as
-``SparseAverageCodec`` (positions and int8 values; its own codec id in the header). A reducer's own part
+so checks, norm screen and aggregation (``swarm.reducer``, ``core.robust``) run unchanged. The aggregate goes back
+as its own top-k at 2 bits (``TopKCodec.reply_codec``: same chunk size and ``k``, so a reply costs what a
+part costs and a round is about 1/140 of fp32's bytes each way); a received part or reply whose header
+claims another chunk size or a larger ``k`` than this swarm's is refused ("more than k entries"). The
+union reply of earlier releases (``SparseAverageCodec``) is still decoded, bounded by the shape. A reducer's own part
 goes through the same encoding (and error feedback) before it joins the others (:meth:`own_part`), so
 every sender's contribution is its top-k, its own included. A part that fails to decode is rejected with
 the decoder's reason (``SparsePartError``) and the sender's data is dropped from the whole round.
@@ -53,8 +55,13 @@ Known limits of error feedback on the wire: the residual is updated when a part 
 that is skipped after its parts went out counts them as sent (the pseudo-gradient itself is kept as late
 work and sent again, so its share is not lost, but the old residual's share is); the late-work region is
 sent without error feedback (no second model-sized residual), so late work under a sparse codec arrives as
-its top-k only; and a sender learns that a remote reducer rejected it only by being banned, so only a
-rejection by our own reducer resets our residuals (``swarm.round_process``).
+its top-k only; a sender learns that a remote reducer rejected it only by being banned, so only a
+rejection by our own reducer resets our residuals (``swarm.round_process``); and what a top-k reply drops
+is not yet returned to the senders' residuals (``ErrorFeedback.credit_undelivered``, which the simulator
+runs with ``--credit-undelivered``): :meth:`CodecCompression.credit_reply` does it for one part, but the
+runner does not call it yet (it would, per received reply and with its part's key, once the round is
+applied), so here those entries are lost (BENCHMARKS.md
+"Sparse-codec" measures what crediting them gains).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ from p2p_diloco.core.sparse import (
     DEFAULT_TOPK,
     SPARSE_CODEC_NAMES,
     SparseAverageCodec,
+    SparsePartError,
     TopKCodec,
 )
 
@@ -163,6 +171,7 @@ class CodecCompression(CompressionBase):
         self.reply = self.codec.reply_codec
         self._reply_header = self._header_for(self.reply)
         self.error_feedback = ErrorFeedback(self.codec, error_feedback_decay) if error_feedback else None
+        self._sent: dict[tuple[object, int], tuple[bytes, tuple[int, ...]]] = {}
         self.feedback_tensors: int | None = None
         """Error feedback only for parts of tensors whose key (index) is below this; ``None``: all. The swarm
         sets it to the number of fresh tensors, so the late-work region (keys from there on) is sent plainly."""
@@ -186,6 +195,8 @@ class CodecCompression(CompressionBase):
             raise ValueError(f"{type(self).__name__} does not support {tensor.dtype} tensors")
         if self._feedback_for(info) and bool(tensor.any()):
             payload = self.error_feedback.encode((info.key, info.part_index), tensor)
+            if self.sparse:  # kept for credit_reply: 1/140 of the part's fp32 bytes
+                self._sent[(info.key, info.part_index)] = (payload, tuple(tensor.shape))
         else:
             payload = self.codec.encode(tensor)
         return self._message(self._header + payload, tensor, dtype_name)
@@ -211,8 +222,21 @@ class CodecCompression(CompressionBase):
         part through the same encoding (and error feedback) as every other sender's."""
         return self.extract(self.compress(tensor, info))
 
+    def credit_reply(self, key: object, part_index: int, reply: torch.Tensor) -> int:
+        """Return to our residual what the reply to our part ``(key, part_index)`` dropped
+        (``ErrorFeedback.credit_undelivered``); the number of values credited, 0 when nothing is owed.
+
+        For the runner, once the round that carried the part was applied, and never for a part a reducer
+        rejected. Each part is credited at most once: its stored payload (what we sent, as bytes) is used up."""
+        sent = self._sent.pop((key, part_index), None)
+        if sent is None or self.error_feedback is None:
+            return 0
+        payload, shape = sent
+        return self.error_feedback.credit_undelivered((key, part_index), self.codec.decode(payload, shape), reply)
+
     def reset_residuals(self) -> None:
         """Forget every error-feedback residual (after a state download, or when our parts were rejected)."""
+        self._sent.clear()
         if self.error_feedback is not None:
             self.error_feedback.reset()
 
@@ -233,6 +257,11 @@ class CodecCompression(CompressionBase):
         if dtype is None:
             raise ValueError(f"unsupported dtype {serialized_tensor.dtype!r} in compressed tensor")
         codec = _codec_for(codec_id, param)
+        if isinstance(codec, TopKCodec) and isinstance(self.codec, TopKCodec) and (
+                codec.chunk_size != self.codec.chunk_size or codec.k > self.codec.k):
+            # parts and replies are both top-k of our chunk size with at most our k: a header cannot raise it
+            raise SparsePartError(f"more than k entries: the header claims {codec.k} of {codec.chunk_size}, "
+                                  f"this swarm sends at most {self.codec.k} of {self.codec.chunk_size}")
         shape = tuple(serialized_tensor.size)
         tensor = codec.decode(memoryview(buffer)[HEADER_NBYTES:], shape).to(dtype)
         return tensor.requires_grad_(serialized_tensor.requires_grad)

@@ -1,5 +1,5 @@
 """The sparse codec (--compression topk with error feedback) in a real 3-peer swarm: run_peer processes on
-loopback, hivemind's butterfly all-reduce carrying top-k parts and the reducers' union replies."""
+loopback, hivemind's butterfly all-reduce carrying top-k parts and the reducers' top-k replies."""
 
 from __future__ import annotations
 
@@ -50,13 +50,14 @@ def test_three_peers_with_the_sparse_codec_keep_identical_parameters(tmp_path: P
     assert all(len(shas) == 1 for shas in by_epoch.values()), by_epoch
     assert sum(members == set("abc") for members in full.values()) >= 3, (full, rounds)
 
-    # The wire carries top-k parts and union replies: far below 4bit's 1/8 of fp32 (tiny: 0.84M parameters)
+    # The wire carries top-k parts and top-k replies (16 of 1024: 1/124 of fp32 each way, plus headers and
+    # framing): far below 4bit's 1/8 and below the earlier union replies' ~1/40 (tiny: 0.84M parameters)
     numel = _tiny_numel()
     for name, rows in rounds.items():
         for r in rows:
             if r["outcome"] == "averaged" and r["group_size"] == 3:
-                # fp32 would send 2 * (2/3) * 4 bytes per parameter; 4bit about 1/8 of that
-                assert r["bytes_sent"] < 2 * 2 / 3 * 4 * numel / 16, (name, r["bytes_sent"], numel)
+                # fp32 would send 2 * (2/3) * 4 bytes per parameter
+                assert r["bytes_sent"] < 2 * 2 / 3 * 4 * numel / 60, (name, r["bytes_sent"], numel)
 
 
 @pytest.mark.timeout(600)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 import p2p_diloco.core
 from p2p_diloco.core.codecs import CODEC_NAMES, get_codec
+from p2p_diloco.core.sparse import SparsePartError
 from p2p_diloco.swarm.hivemind_codecs import (
+    _CODEC_IDS,
     HEADER_NBYTES,
     HIVEMIND_SLOT,
     CodecCompression,
@@ -211,16 +214,37 @@ def test_sparse_parts_carry_chunk_and_k_in_the_header_and_replies_their_own_code
     assert torch.equal(decoded, TopKCodec(1024, 16).roundtrip(x))
     assert len(message.buffer) == HEADER_NBYTES + 5 * 5 + -(-80 * 10 // 8) + -(-80 * 2 // 8)
     assert compression.error_feedback.residual((3, 0)) is not None  # keyed by tensor and part
-    # the reducer's reply: the union codec, no error feedback
+    # the reducer's reply: the aggregate's own top-k at 2 bits, no error feedback
     aggregate = (decoded + TopKCodec(1024, 16).roundtrip(_randn(5000, seed=5))) / 2
     reply = compression.compress_average(aggregate, info)
-    assert torch.equal(compression.extract(reply), SparseAverageCodec(1024).roundtrip(aggregate))
+    assert torch.equal(compression.extract(reply), TopKCodec(1024, 16).roundtrip(aggregate))
+    assert len(reply.buffer) == len(message.buffer)  # a reply costs what a part costs
     assert len(compression.error_feedback) == 1
+    # a header cannot raise k (or change the chunk size) past what this swarm sends
+    for chunk, k in ((1024, 17), (512, 16)):
+        wide = CodecCompression("topk", chunk_size=chunk, k=k).compress_average(aggregate, info)
+        with pytest.raises(SparsePartError, match="more than k entries"):
+            compression.extract(wide)
+    # the union reply of the previous design still decodes (bounded by the shape)
+    union = runtime_pb2.Tensor()
+    union.CopyFrom(reply)
+    union.buffer = bytes(union.buffer[:3]) + bytes([_CODEC_IDS["topk-reply"]]) + struct.pack("<I", 10 << 16) + \
+        SparseAverageCodec(1024).encode(aggregate)
+    assert torch.equal(compression.extract(union), SparseAverageCodec(1024).roundtrip(aggregate))
     # a reducer's own part: what a remote reducer would decode, through the same error feedback
     own = compression.own_part(x, CompressionInfo.from_tensor(x, key=7))
     assert int((own != 0).sum()) == 80 and len(compression.error_feedback) == 2
+    # what the reply dropped comes back to the residual of that part, once
+    residual = compression.error_feedback.residual((3, 0)).clone()
+    replied = compression.extract(reply)
+    credited = compression.credit_reply(3, 0, replied)
+    assert credited == int(((replied == 0) & (decoded != 0)).sum()) > 0
+    assert torch.equal(compression.error_feedback.residual((3, 0)), torch.where(replied == 0, residual + decoded,
+                                                                                residual))
+    assert compression.credit_reply(3, 0, replied) == 0  # used up
     compression.reset_residuals()
     assert len(compression.error_feedback) == 0
+    assert compression.credit_reply(7, 0, own) == 0  # a reset (a rejected part) owes nothing
 
 
 def test_zero_parts_are_sent_without_the_residual() -> None:

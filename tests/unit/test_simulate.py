@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RunConfig, TrainConfig
 from p2p_diloco.simulate import MODES, SimConfig, run
@@ -66,10 +67,13 @@ def test_sparse_codec_runs_through_the_same_core_and_counts_both_directions() ->
     sparse = run(cfg, SimConfig("diloco", workers=2, rounds=2))
     full = run(_cfg("none"), SimConfig("diloco", workers=2, rounds=2))
     assert math.isfinite(sparse.final_eval_loss) and sparse.final_eval_loss < sparse.initial_eval_loss
-    # both directions: each member's top-k parts (1/140 of fp32) and the union replies (2 senders' entries,
-    # 12-bit offsets and int8 values: about 1/50); fp32 is 1/1 both ways
+    # both directions: each member's top-k parts (1/140 of fp32) and the replies, the aggregate's own top-k
+    # (as large as a part); fp32 is 1/1 both ways. Short tensors (biases, norms) keep all their values.
     ratio = sparse.total_bytes_sent_per_worker / full.total_bytes_sent_per_worker
-    assert 1 / 200 < ratio < 1 / 25, ratio
+    assert 1 / 160 < ratio < 1 / 100, ratio
+    credited = run(cfg, SimConfig("diloco", workers=2, rounds=2, credit_undelivered=True))
+    assert credited.total_bytes_sent_per_worker == sparse.total_bytes_sent_per_worker
+    assert credited.final_eval_loss != sparse.final_eval_loss  # the credited entries are sent in round 2
 
 
 def test_a_banned_sender_forgets_its_residual() -> None:
@@ -92,6 +96,17 @@ def test_a_banned_sender_forgets_its_residual() -> None:
     _allreduce(reduction, sent, [1.0, 1.0, 1.0], result, 1, workers)
     assert {sender for _, sender, _ in reduction.new_bans} == {2}
     assert len(workers[2].state.feedback) == 0 and len(workers[0].state.feedback) > 0
+    # nor is it credited with what the reply dropped; the others are, exactly their undelivered values
+    from p2p_diloco.simulate.modes import _credit_undelivered
+
+    mean = [sum(t) / 2 for t in zip(sent[0], sent[1], strict=True)]
+    replied = [workers[0].state.codec.reply_codec.roundtrip(t) for t in mean]
+    before = [t.clone() for t in (workers[0].state.feedback.residual(i) for i in range(len(mean)))]
+    sim.credit_undelivered = True
+    _credit_undelivered(sim, workers, sent, replied, {2})
+    assert len(workers[2].state.feedback) == 0
+    for i, (b, s, r) in enumerate(zip(before, sent[0], replied, strict=True)):
+        assert torch.equal(workers[0].state.feedback.residual(i), torch.where(r == 0, b + s, b))
 
 
 def test_cli_writes_json(tmp_path) -> None:
