@@ -488,7 +488,7 @@ class CountingAllReduceRunner(AllReduceRunner):
 
 def compress_average(compression: Any, averaged_part: torch.Tensor, info: Any) -> runtime_pb2.Tensor:
     """The one serialization of a reducer's averaged part: our codecs' reply encoding (``compress_average``,
-    the sparse codecs' union reply, never error feedback), else the compression itself (hivemind's)."""
+    the sparse codecs' top-k of the aggregate, never error feedback), else the compression itself (hivemind's)."""
     reply = getattr(compression, "compress_average", None)
     if reply is not None:
         return reply(averaged_part, info)
