@@ -88,9 +88,15 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
     assert folded and any(s >= 1 for s in folded[0]["staleness"])
     assert any(r["late_folded"] >= 1 and r["outcome"] == "averaged" for n in "ab" for r in rounds[n])
 
-    # d joined mid-run: it downloaded the swarm's state (checked by the epoch checksums above) first.
+    # d joined mid-run: it downloaded the swarm's state (checked by the epoch checksums above) before it averaged,
+    # at start, or (a start-up download cut off by the donors' serving budget, ``core.chunks.ServeWait``, as
+    # once in a loaded CI run) by resyncing at the end of its first round, never averaging from its own state.
     start = events(tmp_path, "d", "start")[0]
-    assert start["how"].startswith("joined at epoch") and start["epoch"] >= 2
+    if not start["how"].startswith("joined at epoch"):
+        first = rounds["d"][0] if rounds["d"] else {}
+        assert first.get("outcome") == "resynced" and first.get("new_epoch", 0) >= 2, (start, first, tail(tmp_path, "d"))
+    else:
+        assert start["epoch"] >= 2, start
 
 
 def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
