@@ -51,10 +51,13 @@ vouched, and a brand-new joiner without ``--trusted-peers`` has nothing to check
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 EPOCH_LIMIT = 10**8
 """The largest epoch a record, a donor state or a checkpoint may carry. 10^8 rounds is three centuries at
@@ -245,6 +248,9 @@ class Evidence:
     def adopted_from(self, donor: str) -> None:
         """This peer loaded ``donor``'s verified state while it trusted nobody visible: ``donor`` anchors it until
         its first complete all-reduce (:meth:`averaged_with`)."""
+        if donor not in self.adopted:
+            logger.info("Trusting %s until our first round: it delivered most of the state we loaded while we "
+                        "trusted nobody online", donor)
         self.adopted.add(donor)
         self._unbacked.pop(donor, None)
         self._strikes.pop(donor, None)

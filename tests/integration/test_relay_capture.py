@@ -15,7 +15,6 @@ so nobody is credited: every honest peer keeps its epoch below 1000 and averages
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -67,15 +66,7 @@ def _together(tmp: Path, name: str, after: float = 0.0) -> list[dict]:
             if r["outcome"] == "averaged" and r["group_size"] == len(NAMES) and r["time"] > after]
 
 
-VOUCHED_ONLY = pytest.param(False, id="vouched-only", marks=pytest.mark.skipif(
-    os.environ.get("P2P_DILOCO_VOUCHED_CAPTURE_TEST") != "1",
-    reason="failed in the end-of-session CI rehearsal: c, late for round 0 before anyone was trusted, applied that "
-           "round's update delivered mostly by the relay and credited it (core.evidence's newcomer rule); no "
-           "peer loaded the relay's claimed epoch. Open in docs/threat_model.md. Run with "
-           "P2P_DILOCO_VOUCHED_CAPTURE_TEST=1"))
-
-
-@pytest.mark.parametrize("organisers", [pytest.param(True, id="trusted-peers"), VOUCHED_ONLY])
+@pytest.mark.parametrize("organisers", [pytest.param(True, id="trusted-peers"), pytest.param(False, id="vouched-only")])
 def test_a_relay_that_served_a_catch_up_cannot_then_capture_the_swarm(tmp_path: Path, organisers: bool) -> None:
     """``organisers``: the honest peers list each other in ``--trusted-peers``; else they trust each other only
     from the rounds they averaged together (vouched), before the relay comes."""
@@ -121,8 +112,8 @@ def test_a_relay_that_served_a_catch_up_cannot_then_capture_the_swarm(tmp_path: 
     for name in NAMES:
         assert all(r["new_epoch"] < 1000 for r in events(tmp_path, name, "round")), name
         assert not re.search(r"Synchronised to epoch \d{4,}", logs[name]), tail(tmp_path, name)
-        # the relay is never credited (a peer that caught up before anyone was trusted, e.g. one late for round 0
-        # in the vouched-only case, credits the honest peer that delivered most: core.evidence's newcomer rule)
-        credited = re.findall(r"most from (\w+); it is trusted from now on", logs[name])
+        # the relay is never credited: a round's update vouches for nobody (core.sync), and a peer that loads a
+        # whole state before anyone is trusted credits the donor that delivered most (core.evidence's newcomer rule)
+        credited = re.findall(r"Trusting (\w+) until our first round", logs[name])
         assert relay_id not in credited, (name, credited)
         assert len(_together(tmp_path, name, began)) >= AFTER, name

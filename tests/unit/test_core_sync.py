@@ -203,6 +203,24 @@ def test_live_update_is_applied_to_copies_and_loaded_once_verified() -> None:
     assert ("serve", "stepped manifest") in port.calls
 
 
+def test_a_round_update_vouches_for_nobody_but_a_newcomer_s_download_credits_its_donor() -> None:
+    """A peer trusting nobody online (late for the swarm's first round) applies a round's update delivered
+    mostly by one identity: nobody is credited, so a relay of the honest swarm's update earns no trust. A
+    download loaded on the same terms passes its donors on (``core.evidence``'s newcomer rule decides)."""
+    truth, swarm_sha = _truth(4)
+    update = Update([t.clone() for t in FRESH], None, swarm_sha, donor="relay", vouching="relay",
+                    sources=("relay", "b"), delivered={"relay": 7, "b": 1})
+    port = FakeSyncPort(epochs=[4], updates=[update], votes_by_epoch={4: {"relay": swarm_sha}})
+    catchup, state, _ = _catchup(port, 3)
+    assert catchup.run(4) and catchup.last.steps == [SyncStep.LIVE_UPDATE] and state.epoch == 4
+    assert [c for c in port.calls if c[0] == "credit"] == [("credit", {})]
+
+    port = FakeSyncPort(epochs=[4], downloads=[_download_of(truth)])
+    catchup, state, _ = _catchup(port, 3)
+    assert catchup.run(4) and state.epoch == 4
+    assert [c for c in port.calls if c[0] == "credit"] == [("credit", {"a": 1})]
+
+
 @pytest.mark.parametrize("why", ["claimed another digest", "voted down", "not finite"])
 def test_a_live_update_that_fails_a_check_changes_nothing_before_the_download(why: str) -> None:
     truth, swarm_sha = _truth(4)
