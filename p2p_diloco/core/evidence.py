@@ -272,18 +272,21 @@ class Evidence:
         claiming it for a while (see ``unbacked_s``). Returns the peers now ignored, with for how many seconds.
 
         Trusted claims stay (their donors may be busy or cut off: the round policy carries the work and tries
-        again). So does the claim of a donor in ``served`` (peer -> epoch of the state it delivered verified
-        chunks of before it stopped serving it) whose record in ``now`` (the records read after the download)
-        claims a later epoch: it stepped on to the next round's state mid-download, the usual fate of a slow
-        or loaded joiner, and ignoring it left the joiner training alone from its own state. A donor that
-        stopped without moving on gets its strike as any other, and so does every donor once
-        ``MOVED_ON_PASSES`` failed downloads in a row were forgiven (an attacker could serve a few chunks and
-        raise its claim each time; the count starts again once this peer loads a state). The count is this
-        peer's, not each donor's: per donor, k free identities taking turns got 3k forgiven downloads of up to
-        ``state_download_timeout_s`` each, while honest donors of one swarm step on together and share one."""
+        again). So does the claim of a donor in ``served`` (peer -> epoch of the state whose manifest it handed
+        out before it stopped serving it, chunks delivered or not) whose record in ``now`` (the records read
+        after the download) still claims that epoch or a later one: it stepped on to the next round's state
+        mid-download, the usual fate of a slow or loaded joiner, and its record may not say so yet (it publishes
+        after its outer step, in the background). Ignoring such donors left a joiner training rounds alone from
+        its own state (seen: a loaded joiner whose three donors all stepped on between their manifests and its
+        first chunk, within one second). A donor whose record went back or vanished gets its strike as any
+        other, and so does every donor once ``MOVED_ON_PASSES`` failed downloads in a row were forgiven (an
+        attacker could hand out a manifest and keep its claim each time; the count starts again once this peer
+        loads a state). The count is this peer's, not each donor's: per donor, k free identities taking turns
+        got 3k forgiven downloads of up to ``state_download_timeout_s`` each, while honest donors of one swarm
+        step on together and share one."""
         now_epochs = {c.peer_id: c.epoch for c in now}
         moved_on = {peer for peer, epoch in (served or {}).items()
-                    if now_epochs.get(peer, -1) > epoch} if self._passes < MOVED_ON_PASSES else set()
+                    if now_epochs.get(peer, -1) >= epoch} if self._passes < MOVED_ON_PASSES else set()
         if moved_on:
             self._passes += 1
         now_s, (first, most) = self._clock(), self.unbacked_s

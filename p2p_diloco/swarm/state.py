@@ -59,7 +59,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap, ServeWait
 from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch, state_verdict
 from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, manifest_sha, tensor_manifest
-from p2p_diloco.swarm.chunk_transfer import INCOMPLETE, fetch_verified, state_chunk_map
+from p2p_diloco.swarm.chunk_transfer import BAD_CHUNK, INCOMPLETE, fetch_verified, state_chunk_map
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_checksums, fetch_progress, global_epoch
 
@@ -407,10 +407,13 @@ def download_state(
     ``trusted``: the peers whose donors and checksums this peer trusts (``core.evidence``), or ``None`` when
     none of them is online (a newcomer). ``partial_dir``: where verified chunks are kept so that a download
     cut by a restart resumes (``swarm.partial``); ``None`` keeps nothing. ``backed``: filled with the donors
-    that delivered verified chunks of a state of ``min_epoch`` or newer before they stopped serving it (the
-    download stayed incomplete; a bad chunk does not count), with that state's epoch. The caller believes
-    those whose records moved past that epoch meanwhile (``Evidence.unbacked``): they stepped on to the next
-    round's state mid-download.
+    that handed out the manifest of a state of ``min_epoch`` or newer and stopped serving it before the
+    download completed (a donor that sent a bad chunk does not count), with that state's epoch. The caller
+    believes those whose records moved past that epoch meanwhile (``Evidence.unbacked``): they stepped on to
+    the next round's state mid-download. Chunks delivered are not required: donors of short rounds on a loaded
+    machine stepped on between their manifest and the first chunk, the joiner marked all three unbacked and
+    trained a round alone from its own state (seen in ``tests/integration/test_peer_swarm.py``); verified
+    chunks prove nothing anyway (a relay delivers them), and ``MOVED_ON_PASSES`` bounds the forgiveness.
 
     Every donor's manifest is read first (small) and checked against the digest it claims; the first
     acceptable digest in donor order (trusted donors first, then by epoch) is downloaded from every donor
@@ -467,7 +470,9 @@ def download_state(
                         for t in templates)
         problem, dropped, served = fetch_verified(averager, sources, meta, dest, chunks, partial_dir, deadline)
         if backed is not None and problem is not None and problem.startswith(INCOMPLETE):
-            backed.update(dict.fromkeys(served, meta["ep"]))  # donors that stopped serving it midway
+            # donors that handed out this state's manifest and stopped serving it midway, with or without chunks
+            # delivered (none that sent a bad chunk): ``Evidence.unbacked`` forgives those whose records moved on
+            backed.update({p: meta["ep"] for p in sources if BAD_CHUNK not in dropped.get(p, "")})
         rejected.extend(f"{p}: {reason}" for p, reason in dropped.items())
         problem = problem or nonfinite(dest)
         if problem is not None:

@@ -143,6 +143,18 @@ def test_a_donor_that_keeps_moving_on_is_forgiven_three_times_in_a_row() -> None
     assert "a" not in ev.unbacked([Claim("a", 9)], 9, served={"a": 9}, now=[Claim("a", 10)])
 
 
+def test_a_donor_that_stopped_serving_is_forgiven_while_its_record_keeps_the_epoch_it_served() -> None:
+    """Donors of short rounds step on between their manifest and a loaded joiner's first chunk, and their
+    records say so only after their outer step: a record still at the epoch served is forgiven like one past it
+    (within MOVED_ON_PASSES); one that went back, or vanished, is struck."""
+    ev = Evidence("me", unbacked_s=(60.0, 600.0))
+    claims = [Claim("a", 7), Claim("b", 7), Claim("c", 7), Claim("d", 7)]
+    ignored = ev.unbacked(claims, 7, served={"a": 7, "b": 7, "c": 7},
+                          now=[Claim("a", 7), Claim("b", 8), Claim("c", 6)])
+    assert set(ignored) == {"c", "d"}  # c went back; d handed out no manifest of epoch 7 at all
+    assert ev.swarm_epoch([Claim("a", 7), Claim("b", 8)]) == 8
+
+
 def test_left_behind_needs_every_believed_peer_past_the_epoch() -> None:
     ev = Evidence("me")
     assert not ev.left_behind([Claim("me", 3)], 3)  # alone: nobody to have moved on

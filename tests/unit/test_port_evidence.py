@@ -13,6 +13,7 @@ from test_evidence import SYBILS, Clock  # the same fake clock and Sybil ids as 
 from p2p_diloco.core.delayed import Contribution, StalenessPolicy, aggregate_round
 from p2p_diloco.core.dylu import PHASE_RECORD_MAX_AGE_S
 from p2p_diloco.core.evidence import (
+    MOVED_ON_PASSES,
     Claim,
     Evidence,
     credited,
@@ -169,8 +170,12 @@ def test_port_keeps_believing_donors_that_served_verified_chunks_of_a_failed_dow
     assert not port.resync(2)
     # the liar, who served nothing, is ignored; a and b still pull this peer to their new epoch at once
     assert port.observe(0).swarm_epoch == 3
-    # a donor that served chunks but did not move on (it stopped, or lied) gets its strike
+    # donors that stopped serving while their records keep the epoch served: forgiven (a record lags its
+    # writer's outer step) until MOVED_ON_PASSES failed downloads in a row, then struck
     swarm.served_chunks, swarm.moves_on = {"a": 3, "b": 3}, {}
+    for _ in range(MOVED_ON_PASSES - 1):
+        assert not port.resync(3)
+        assert port.observe(0).swarm_epoch == 3
     assert not port.resync(3)
     assert port.observe(0).swarm_epoch in (None, 0)
 

@@ -379,6 +379,32 @@ def test_a_donor_listed_first_that_sent_a_bad_chunk_earns_nothing(monkeypatch: A
     assert any(line.startswith("bad: chunk 2 failed its hash") for line in state.rejected)
 
 
+class _SteppedOnDonors(_FakeAverager):
+    """Three donors hand out the manifest of epoch 3; "a" and "b" then serve another state (they stepped on),
+    "bad" sends a chunk that fails its hash. No chunk arrives."""
+
+    def state_donors(self) -> list[tuple[str, float]]:
+        return [("a", 3.0), ("b", 3.0), ("bad", 3.0)]
+
+    def fetch_chunks(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        moved = "chunk 0: ValueError: sent nothing (it serves another state now, or is busy)"
+        return dict(done=[], served={}, dropped={"a": moved, "b": moved, "bad": "chunk 1 failed its hash"})
+
+
+def test_donors_that_stepped_on_before_any_chunk_back_their_claim_but_a_bad_chunk_does_not(monkeypatch: Any) -> None:
+    """What ``Evidence.unbacked`` gets to forgive: every donor that handed out the manifest and stopped, chunks
+    delivered or not; none that sent a bad chunk."""
+    import p2p_diloco.swarm.state as state_module
+
+    monkeypatch.setattr(state_module, "fetch_checksums", lambda *_: {})
+    params, momentum = _state()
+    averager = _SteppedOnDonors(params, momentum, cut_after=None)
+    templates = ([torch.zeros_like(t) for t in params], [torch.zeros_like(t) for t in momentum])
+    backed: dict[str, int] = {}
+    assert download_state(averager, *templates, min_epoch=0, backed=backed) is None  # type: ignore[arg-type]
+    assert backed == {"a": 3, "b": 3}
+
+
 def test_manifests_are_awaited_a_grace_after_the_first_answer_never_the_whole_timeout() -> None:
     assert manifest_wait_s(None, 30.0) == 30.0  # nobody answered yet: the whole timeout
     assert manifest_wait_s(0.01, 30.0) == pytest.approx(0.01 + MANIFEST_GRACE_S)
