@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -121,8 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--credit-undelivered",
-        action="store_true",
-        help="sparse codecs: senders take back into error feedback what the reducers' reply dropped",
+        action=argparse.BooleanOptionalAction,
+        default=SimConfig.credit_undelivered,
+        help="sparse codecs: senders take back into error feedback what the reducers' reply dropped "
+             "(on, as in the swarm)",
     )
     faults = parser.add_argument_group("faults (--mode swarm; see p2p_diloco/simulate/faults.py)")
     faults.add_argument("--drop-rate", type=float, default=0.0,

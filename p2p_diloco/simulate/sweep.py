@@ -23,6 +23,7 @@ SGD; lr 1 with momentum 0 is FedAvg); ``async-dn`` the Delayed Nesterov step siz
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import logging
@@ -248,8 +249,10 @@ def main(argv: Sequence[str] | None, defaults: dict) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per cell")
     parser.add_argument("--speeds", type=float, nargs="*", default=None, help="per-worker speeds (async-dn)")
     parser.add_argument("--batched", action="store_true", help="train a round's workers as one model (GPU)")
-    parser.add_argument("--credit-undelivered", action="store_true",
-                        help="sparse codecs: senders take back what the reducers' reply dropped (SimConfig)")
+    parser.add_argument("--credit-undelivered", action=argparse.BooleanOptionalAction,
+                        default=SimConfig.credit_undelivered,
+                        help="sparse codecs: senders take back what the reducers' reply dropped (SimConfig; on, "
+                             "as in the swarm)")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run at once, one process each")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the grid as JSON here")
     parser.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the grid here")
