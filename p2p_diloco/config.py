@@ -290,9 +290,10 @@ class OuterConfig:
     identical; only this peer's private residual changes. Costs no bytes and about 0.03 bytes per parameter
     for one round (the sent parts' payloads). Measured (BENCHMARKS.md, "Sparse-codec", simulator, tiny preset,
     topk 64/4096, error feedback 0.95, outer lr 1): +19.9% eval loss against none without, +15.4% with; the
-    sweep's best settings (lr 3, +5.1%) were found with it on. So it is on; turn it off only to reproduce a
-    run without it (or the simulator without ``--credit-undelivered``). Ignored by the dense codecs, whose
-    replies drop nothing, and without error feedback, where there is no residual to credit."""
+    sweep's best settings (lr 3, +5.1%) were found with it on. So it is on; turn it off
+    (``--credit-undelivered false``; the simulator reads the same flag) only to measure or reproduce a run
+    without it. Ignored by the dense codecs, whose replies drop nothing (an entry a dense reply rounds to 0
+    was delivered), and without error feedback, where there is no residual to credit."""
 
     overlap: Literal["none", "eager"] = "none"
     """'none': wait for each round's all-reduce before training on (every peer holds identical parameters).

@@ -87,11 +87,12 @@ class SimConfig:
     CPU time per step at the tiny preset's small batches and none at 8 x 128 or on the mini preset
     (BENCHMARKS.md, "Simulator speed"). The other modes ignore it."""
     credit_undelivered: bool = True
-    """With a sparse codec and error feedback: after each round every honest worker returns to its residual
-    the entries it sent that the reducers' re-sparsified reply dropped
+    """With a sparse codec and error feedback (ignored otherwise): after each round every honest worker
+    returns to its residual the entries it sent that the reducers' re-sparsified reply dropped
     (``core.codecs.ErrorFeedback.credit_undelivered``), so they are delayed instead of lost. The swarm does
     the same by default (``OuterConfig.credit_undelivered``, ``swarm.hivemind_codecs``), so the default keeps
-    the simulator equal to the swarm; turn it off (``--no-credit-undelivered``) to measure what it gains
+    the simulator equal to the swarm; the CLI sets it from the same flag, ``--credit-undelivered [BOOL]``
+    (``OuterConfig.credit_undelivered``): ``false`` measures what it gains
     (BENCHMARKS.md, "Sparse-codec": at outer lr 1, +19.9% eval loss against none without, +15.4% with).
     diloco, fedavg and eager modes."""
 
