@@ -270,7 +270,7 @@ class CodecCompression(CompressionBase):
             self.forget_sent()
             return 0
         replies = []
-        for (key, part_index), (_, shape, start) in self._sent.items():
+        for (key, part_index), (_, shape, start) in list(self._sent.items()):
             if not isinstance(key, int) or not 0 <= key < len(averaged):
                 continue
             flat = averaged[key].detach().reshape(-1)

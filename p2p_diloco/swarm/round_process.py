@@ -78,14 +78,20 @@ async def _settle_credit(compression: Any, averaged: Sequence[torch.Tensor], app
     """Return what the replies dropped of our parts to our error-feedback residuals when the round is
     ``applied`` (it averaged, our own reducer kept our part, the trainer still wants it), else forget what was
     kept for that (``hivemind_codecs``, "What a top-k reply drops"). Runs while the caller still holds the
-    averaged buffers, so the replies read are those of this round; a no-op for codecs without crediting."""
+    averaged buffers, so the replies read are those of this round; a no-op for codecs without crediting. Never
+    raises: a failed credit costs only the dropped entries (as without crediting), never the round."""
     credit = getattr(compression, "credit_replies", None)
     if credit is None:
         return
     if not applied:
         compression.forget_sent()
         return
-    credited = await asyncio.get_running_loop().run_in_executor(None, credit, averaged)
+    try:
+        credited = await asyncio.get_running_loop().run_in_executor(None, credit, averaged)
+    except Exception as e:  # the round stands whatever happens here
+        logger.warning("Could not credit what the replies dropped to our residuals: %r", e)
+        compression.forget_sent()
+        return
     logger.debug("Credited %d values the replies dropped back to our residuals", credited)
 
 
