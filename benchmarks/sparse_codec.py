@@ -31,7 +31,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 RUNS = {
     "none": ["--compression", "none"],
     "4bit": ["--compression", "4bit"],
-    "topk_ef095": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95"],
+    "topk_ef095": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95",
+                   "--credit-undelivered", "false"],
     "topk_ef095_credit": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95",
                           "--credit-undelivered"],
 }

@@ -254,8 +254,8 @@ class OuterConfig:
     3 seeds, each codec at its best outer settings of a sweep): none 2.2973 at lr 1, momentum 0; topk 64/4096
     with error feedback 0.95 and the reply's leftovers credited back at lr 3, momentum 0: 2.4148, +5.1% at
     1/134 of the bytes (lr 1 without momentum, the published setting, was +18.5%); 4bit cost 0.05% (one
-    seed) at 1/7.8 of the bytes. The swarm does not credit the reply's leftovers yet (BENCHMARKS: at lr 1
-    crediting cut the gap from 19.9% to 15.4%), so expect more there. So the default stays 'none' (nothing to tune, exact); choose 4bit on home links (a
+    seed) at 1/7.8 of the bytes. The swarm credits the reply's leftovers too (``credit_undelivered``; at
+    lr 1 crediting cut the gap from 19.9% to 15.4%). So the default stays 'none' (nothing to tune, exact); choose 4bit on home links (a
     loss cost not measurable here), and topk when the uplink bounds the round (1B+ models at 10-50 Mbit/s)
     and a few percent of loss at equal steps is worth 18x fewer bytes than 4bit: then set ``lr`` from
     ``python -m p2p_diloco.simulate sweep --compression topk --error-feedback`` at your H and k (about 3 with
@@ -282,6 +282,18 @@ class OuterConfig:
     and a stale direction is worth less than a fresh one: 0.95 (the published SparseLoCo setting; half-life 14
     rounds) forgets it geometrically. Lower (0.8-0.9) for few, long rounds; 1 when every round is short and
     the same direction persists. 0 drops the error each round (no feedback at all)."""
+
+    credit_undelivered: bool = True
+    """With a sparse codec and ``error_feedback``: after a round that averaged, return to the residual every
+    entry this peer sent that the reducers' top-k reply dropped, so it is delayed to a later round instead of
+    lost (``swarm.hivemind_codecs``). Every member still applies the same reply, so parameters stay
+    identical; only this peer's private residual changes. Costs no bytes and about 0.03 bytes per parameter
+    for one round (the sent parts' payloads). Measured (BENCHMARKS.md, "Sparse-codec", simulator, tiny preset,
+    topk 64/4096, error feedback 0.95, outer lr 1): +19.9% eval loss against none without, +15.4% with; the
+    sweep's best settings (lr 3, +5.1%) were found with it on. So it is on; turn it off
+    (``--credit-undelivered false``; the simulator reads the same flag) only to measure or reproduce a run
+    without it. Ignored by the dense codecs, whose replies drop nothing (an entry a dense reply rounds to 0
+    was delivered), and without error feedback, where there is no residual to credit."""
 
     overlap: Literal["none", "eager"] = "none"
     """'none': wait for each round's all-reduce before training on (every peer holds identical parameters).
@@ -345,6 +357,8 @@ class OuterConfig:
         if not 1 <= self.topk_k <= self.topk_chunk_size:
             raise ValueError(f"topk_k: must be in [1, topk_chunk_size={self.topk_chunk_size}], got {self.topk_k}")
         _check_range("error_feedback_decay", self.error_feedback_decay, 0.0, 1.0)
+        if not isinstance(self.credit_undelivered, bool):
+            raise ValueError(f"credit_undelivered: must be true or false, got {self.credit_undelivered!r}")
         if self.overlap not in ("none", "eager"):
             raise ValueError(f"overlap: must be 'none' or 'eager', got {self.overlap!r}")
         if not 1 <= self.fragments <= 64:

@@ -91,7 +91,8 @@ class SwarmSession:
         self.swarm = Swarm(cfg.swarm, fingerprint, self.state.anchors,
                            wire_compression(cfg.outer.compression, cfg.outer.error_feedback,
                                             error_feedback_decay=cfg.outer.error_feedback_decay,
-                                            chunk_size=cfg.outer.topk_chunk_size, k=cfg.outer.topk_k),
+                                            chunk_size=cfg.outer.topk_chunk_size, k=cfg.outer.topk_k,
+                                            credit_undelivered=cfg.outer.credit_undelivered),
                            faults.swarm_hook())
         if cfg.run.checkpoint_dir:  # a state download cut by a restart resumes from its verified chunks
             self.swarm.partial_dir = Path(cfg.run.checkpoint_dir).expanduser() / "state-partial"

@@ -119,11 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=SimConfig.part_size_bytes,
         help="all-reduce part size; the screen and the robust rules act per part",
     )
-    parser.add_argument(
-        "--credit-undelivered",
-        action="store_true",
-        help="sparse codecs: senders take back into error feedback what the reducers' reply dropped",
-    )
     faults = parser.add_argument_group("faults (--mode swarm; see p2p_diloco/simulate/faults.py)")
     faults.add_argument("--drop-rate", type=float, default=0.0,
                         help="probability that a worker's outer gradient of a round is lost, e.g. 0.5")
@@ -151,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             byzantine=parse_byzantine(args.byzantine),
             norm_outlier_factor=args.norm_outlier_factor,
             part_size_bytes=args.part_size_bytes,
-            credit_undelivered=args.credit_undelivered,
+            credit_undelivered=cfg.outer.credit_undelivered,  # one flag for swarm and simulator
         )
         schedule = FaultSchedule(seed=args.fault_seed, drop_rate=args.drop_rate, late_rate=args.late_rate,
                                  partial_rate=args.partial_rate, joins=parse_pairs("join", args.join),

@@ -28,6 +28,7 @@ from p2p_diloco.core.codecs import Codec
 from p2p_diloco.core.delayed import DelayedNesterov, NaiveAsyncNesterov, RoundAggregate, summarize_round
 from p2p_diloco.core.dylu import DyLU
 from p2p_diloco.core.robust import GroupReduction
+from p2p_diloco.core.sparse import TopKCodec
 from p2p_diloco.simulate.engine import (
     RoundRecord,
     SimConfig,
@@ -129,8 +130,10 @@ def _reply(codec: Codec, mean: Sequence[torch.Tensor]) -> tuple[list[torch.Tenso
 
 def _credit_undelivered(sim: SimConfig, workers: Sequence[Worker], decoded: Sequence[Sequence[torch.Tensor]],
                         replied: Sequence[torch.Tensor], banned: set[int]) -> None:
-    """``SimConfig.credit_undelivered``: each honest, unbanned worker takes back what the reply dropped."""
-    if not sim.credit_undelivered:
+    """``SimConfig.credit_undelivered``: each honest, unbanned worker takes back what the reply dropped. Sparse
+    codecs only, as in the swarm (``CodecCompression.credit_undelivered``): a dense reply drops nothing, and
+    an entry it rounds to zero was delivered, not dropped."""
+    if not sim.credit_undelivered or not workers or not isinstance(workers[0].state.codec, TopKCodec):
         return
     for w, sent in zip(workers, decoded, strict=True):
         if w.state.feedback is None or w.index in sim.byzantine or w.index in banned:

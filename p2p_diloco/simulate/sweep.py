@@ -248,8 +248,6 @@ def main(argv: Sequence[str] | None, defaults: dict) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds per cell")
     parser.add_argument("--speeds", type=float, nargs="*", default=None, help="per-worker speeds (async-dn)")
     parser.add_argument("--batched", action="store_true", help="train a round's workers as one model (GPU)")
-    parser.add_argument("--credit-undelivered", action="store_true",
-                        help="sparse codecs: senders take back what the reducers' reply dropped (SimConfig)")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run at once, one process each")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the grid as JSON here")
     parser.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the grid here")
@@ -266,7 +264,7 @@ def main(argv: Sequence[str] | None, defaults: dict) -> int:
         usage_error(PROG, f"--jobs: must be in [1, 64], got {args.jobs}")
     try:
         base = SimConfig("diloco", args.workers, args.rounds, list(args.speeds or []), batched=args.batched,
-                         credit_undelivered=args.credit_undelivered)
+                         credit_undelivered=cfg.outer.credit_undelivered)
     except ValueError as e:
         usage_error(PROG, str(e))
     n = len(args.modes) * len(args.outer_lrs) * len(args.outer_momenta) * len(args.seeds)

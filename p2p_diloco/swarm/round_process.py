@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +72,27 @@ def _hook_assembly(matchmaking: Any, hook: FaultHook) -> None:
 
     matchmaking.leader_assemble_group = hooked
     matchmaking._assembly_hooked = True
+
+
+async def _settle_credit(compression: Any, averaged: Sequence[torch.Tensor], applied: bool) -> None:
+    """Return what the replies dropped of our parts to our error-feedback residuals when the round is
+    ``applied`` (it averaged, our own reducer kept our part, the trainer still wants it), else forget what was
+    kept for that (``hivemind_codecs``, "What a top-k reply drops"). Runs while the caller still holds the
+    averaged buffers, so the replies read are those of this round; a no-op for codecs without crediting. Never
+    raises: a failed credit costs only the dropped entries (as without crediting), never the round."""
+    credit = getattr(compression, "credit_replies", None)
+    if credit is None:
+        return
+    if not applied:
+        compression.forget_sent()
+        return
+    try:
+        credited = await asyncio.get_running_loop().run_in_executor(None, credit, averaged)
+    except Exception as e:  # the round stands whatever happens here
+        logger.warning("Could not credit what the replies dropped to our residuals: %r", e)
+        compression.forget_sent()
+        return
+    logger.debug("Credited %d values the replies dropped back to our residuals", credited)
 
 
 class RoundProcessMixin:
@@ -132,7 +153,8 @@ class RoundProcessMixin:
                 result = RoundResult(Outcome.SKIPPED, "round interrupted")
                 try:
                     await asyncio.wait_for(
-                        self._aggregate_with_group(group_info, result, stale=stale, **self.allreduce_kwargs),
+                        self._aggregate_with_group(group_info, result, stale=stale, abandoned=step.done,
+                                                   **self.allreduce_kwargs),
                         allreduce_timeout or self._allreduce_timeout,
                     )
                 except asyncio.TimeoutError:
@@ -166,14 +188,16 @@ class RoundProcessMixin:
 
     async def _aggregate_with_group(
         self, group_info: GroupInfo, result: RoundResult, min_vector_size: int,
-        stale: list[torch.Tensor] | None = None, **kwargs: Any
+        stale: list[torch.Tensor] | None = None, abandoned: Callable[[], bool] | None = None, **kwargs: Any
     ) -> RoundResult:
         """The round in a formed group; ``result`` is filled as it goes, so a round cut off by the caller's
         timeout still names its group. It ends ``AVERAGED`` only when every member confirmed.
 
         ``stale`` is the host's late work for this round (shared memory), or None: a member without late work
         still takes part in a fresh+stale round, with zeros it allocates here for this round only. The
-        averaged stale region goes back to the host inside the result (``stale_term``)."""
+        averaged stale region goes back to the host inside the result (``stale_term``). ``abandoned()`` says
+        whether the trainer gave the round up (it then keeps the pseudo-gradient as late work): such a round's
+        replies are not credited to the error-feedback residuals (:func:`_settle_credit`)."""
         began = time.monotonic()
         plan = plan_group(
             group_info.peer_ids,
@@ -221,6 +245,9 @@ class RoundProcessMixin:
                         tensor.mul_(scale)
             self._fault_hook("allreduce_begin")
             _corrupt(tensors, self._fault_hook("corrupt_input"))
+            forget = getattr(kwargs["compression"], "forget_sent", None)
+            if forget is not None:
+                forget()  # what an earlier round left (cut off by its timeout) is owed nothing
             make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
             tolerance = self._tolerance
             limits = None if tolerance is None else plan.sender_limits(self.cfg.norm_outlier_factor, tolerance)
@@ -251,6 +278,9 @@ class RoundProcessMixin:
                 faults.append("completion denied by the fault hook")
             check = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id, runner)
             result.rejected = tuple(self._ban(rejected | check.equivocators))
+            await _settle_credit(kwargs["compression"], tensors[: self.num_tensors],
+                                 not faults and check.confirmed and self.peer_id.to_base58() not in rejected
+                                 and not (abandoned is not None and abandoned()))
         result.allreduce_seconds = time.monotonic() - began
         result.bytes_sent, result.bytes_received = counter.sent, counter.received
         if faults:

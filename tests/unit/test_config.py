@@ -24,6 +24,12 @@ def test_defaults_and_flags_map_onto_fields() -> None:
     assert cfg.inner.batch_size == 8 and cfg.model.seq_len == 64 and cfg.run.run_id == "abc"
     assert cfg.outer.compression == "int8" and cfg.outer.local_steps == 20
     assert _build([]).model.model == "tiny"
+    # crediting what a sparse reply drops is on unless turned off, for swarm and simulator alike
+    assert _build([]).outer.credit_undelivered and not _build(["--credit-undelivered", "false"]).outer.credit_undelivered
+    from p2p_diloco.config import OuterConfig
+
+    with pytest.raises(ValueError, match="credit_undelivered: must be true or false"):
+        OuterConfig(credit_undelivered="false")  # type: ignore[arg-type]  # a string would be truthy
 
 
 def test_precedence_file_then_env_then_flags(tmp_path) -> None:

@@ -247,6 +247,68 @@ def test_sparse_parts_carry_chunk_and_k_in_the_header_and_replies_their_own_code
     assert compression.credit_reply(7, 0, own) == 0  # a reset (a rejected part) owes nothing
 
 
+def _split_infos(tensors: list[torch.Tensor], part_size: int) -> list[tuple[torch.Tensor, CompressionInfo]]:
+    """Parts and infos as hivemind's ``TensorPartContainer`` makes them (key = tensor index)."""
+    return [(part, CompressionInfo.from_tensor(t, key=key).get_part(index, part_size))
+            for key, t in enumerate(tensors) for index, part in enumerate(t.reshape(-1).split(part_size))]
+
+
+def test_credit_replies_returns_what_the_reply_dropped_once_and_only_for_an_applied_round() -> None:
+    import asyncio
+
+    from p2p_diloco.swarm.round_process import _settle_credit
+
+    shapes, part_size = [(4, 96), (200,)], 128  # parts of 128, the last of each tensor shorter
+    senders = [CodecCompression("topk", chunk_size=64, k=4, error_feedback=True, error_feedback_decay=0.95)
+               for _ in range(3)]
+    inputs = [[_randn(*shape, seed=10 * s + i) for i, shape in enumerate(shapes)] for s in range(3)]
+    parts = [_split_infos(x, part_size) for x in inputs]
+    # sender 0 reduces part 1 of tensor 0 itself (own_part), every other part goes out as compress() does
+    decoded = [[s.own_part(part, info) if (k, info.key, info.part_index) == (0, 0, 1)
+                else s.extract(s.compress(part, info)) for part, info in p]
+               for k, (s, p) in enumerate(zip(senders, parts, strict=True))]
+    averaged = [torch.zeros(shape) for shape in shapes]
+    replies = []
+    for index, (_, info) in enumerate(parts[0]):  # every reducer answers with the aggregate's own top-k
+        aggregate = sum(d[index] for d in decoded)
+        reply = senders[0].extract(senders[0].compress_average(aggregate, info))
+        start = info.part_index * part_size
+        averaged[info.key].reshape(-1)[start:start + reply.numel()] = reply
+        replies.append(reply)
+    sender, sent = senders[0], decoded[0]
+    before = {(info.key, info.part_index): sender.error_feedback.residual((info.key, info.part_index)).clone()
+              for _, info in parts[0]}
+    assert sender.credit_replies(averaged) == sum(int(((r == 0) & (d != 0)).sum())
+                                                  for r, d in zip(replies, sent, strict=True)) > 0
+    for (_, info), r, d in zip(parts[0], replies, sent, strict=True):
+        key = (info.key, info.part_index)
+        # exactly what we sent where the reply is empty; nothing where it carried the entry
+        assert torch.equal(sender.error_feedback.residual(key), torch.where((r == 0) & (d != 0), before[key] + d,
+                                                                            before[key]))
+    after = {key: sender.error_feedback.residual(key).clone() for key in before}
+    assert sender.credit_replies(averaged) == 0  # a second credit of the same round does nothing
+    assert all(torch.equal(sender.error_feedback.residual(key), after[key]) for key in after)
+    # the round process: a round that was not applied forgets; one that was, credits
+    asyncio.run(_settle_credit(senders[1], averaged, applied=False))
+    assert senders[1].credit_replies(averaged) == 0
+    asyncio.run(_settle_credit(senders[2], averaged, applied=True))
+    assert senders[2].credit_replies(averaged) == 0 and len(senders[2]._sent) == 0
+    # a NaN reply credits nothing (the host skips that round); neither does crediting turned off
+    part, info = parts[0][0]
+    sender.compress(part, info)
+    residual = sender.error_feedback.residual((0, 0)).clone()
+    poisoned = [t.clone() for t in averaged]
+    poisoned[1][0] = float("nan")
+    assert sender.credit_replies(poisoned) == 0 and torch.equal(sender.error_feedback.residual((0, 0)), residual)
+    off = CodecCompression("topk", chunk_size=64, k=4, error_feedback=True, credit_undelivered=False)
+    off.compress(part, info)
+    assert not off.credit_undelivered and off.credit_replies(averaged) == 0
+    # a part sent as zeros (no work this round) owes nothing, whatever an earlier round kept for it
+    sender.compress(part, info)
+    sender.compress(torch.zeros_like(part), info)
+    assert sender.credit_replies(averaged) == 0
+
+
 def test_zero_parts_are_sent_without_the_residual() -> None:
     compression = CodecCompression("topk", chunk_size=64, k=4, error_feedback=True)
     info = CompressionInfo.from_tensor(torch.zeros(256), key=0)

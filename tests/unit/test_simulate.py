@@ -64,14 +64,14 @@ def test_compression_cuts_bytes() -> None:
 def test_sparse_codec_runs_through_the_same_core_and_counts_both_directions() -> None:
     cfg = _cfg("topk")
     cfg.outer.error_feedback, cfg.outer.error_feedback_decay = True, 0.95
-    sparse = run(cfg, SimConfig("diloco", workers=2, rounds=2))
+    sparse = run(cfg, SimConfig("diloco", workers=2, rounds=2, credit_undelivered=False))
     full = run(_cfg("none"), SimConfig("diloco", workers=2, rounds=2))
     assert math.isfinite(sparse.final_eval_loss) and sparse.final_eval_loss < sparse.initial_eval_loss
     # both directions: each member's top-k parts (1/140 of fp32) and the replies, the aggregate's own top-k
     # (as large as a part); fp32 is 1/1 both ways. Short tensors (biases, norms) keep all their values.
     ratio = sparse.total_bytes_sent_per_worker / full.total_bytes_sent_per_worker
     assert 1 / 160 < ratio < 1 / 100, ratio
-    credited = run(cfg, SimConfig("diloco", workers=2, rounds=2, credit_undelivered=True))
+    credited = run(cfg, SimConfig("diloco", workers=2, rounds=2))  # on by default, as in the swarm
     assert credited.total_bytes_sent_per_worker == sparse.total_bytes_sent_per_worker
     assert credited.final_eval_loss != sparse.final_eval_loss  # the credited entries are sent in round 2
 
