@@ -265,7 +265,10 @@ class CodecCompression(CompressionBase):
 
         Call it once, for a round that averaged (module docstring). A part whose reply does not fit its place
         (another layout) is skipped, and when ``averaged`` holds NaN or inf anywhere nothing is credited: the
-        host skips such a round (checked on each tensor's sum, which NaN and inf reach: no model-sized mask)."""
+        host skips such a round (checked on each tensor's sum, which NaN and inf reach: no model-sized mask).
+        Nothing kept (a dense codec, or no error feedback): nothing to do, and no pass over the model."""
+        if not self._sent:
+            return 0
         if not all(bool(torch.isfinite(t.detach().sum())) for t in averaged):
             self.forget_sent()
             return 0
