@@ -93,10 +93,10 @@ def test_client_mode_home_peers_average_with_a_public_full_peer(tmp_path: Path) 
 
 
 @pytest.mark.skipif(os.environ.get("P2P_DILOCO_RELAY_TESTS") != "1",
-                    reason="in the end-of-session CI rehearsals the bootstrap's relay check lost the p2p daemon's relay "
-                           "race on all 8 starts it then allowed (now 32; it needed 15 in the next rehearsal), and "
-                           "this test's late-peer assertion was too strict (the peer joined at start); not yet passed "
-                           "in a whole CI run. Run with P2P_DILOCO_RELAY_TESTS=1")
+                    reason="the late peer chases the swarm: its download through the relay took 6-10 s, as long as a "
+                           "whole relayed round of 10 steps, so it loaded each epoch after the others had left it (5 "
+                           "resyncs in a row, never in a group; seen in this session's run, the relay check passed); "
+                           "the test needs rounds longer than a relayed download. Run with P2P_DILOCO_RELAY_TESTS=1")
 def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Path) -> None:
     """Guide choice 3: three home peers, nobody public but the bootstrap node, which relays. One of them is
     slow through its first round and misses it, so it must also catch up through the relay: download the
@@ -110,11 +110,11 @@ def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Pat
                              peer_env={3: {"P2P_DILOCO_FAULTS": "slow_steps@0=1.5"}})
         relay_received, relay_sent = bed.link_bytes(0)
     # it downloaded the others' state through the relay: at start (it came up after they stepped on) or after
-    # its slow first round
+    # its slow first round (a first download may fail when its donors step on meanwhile)
     slow = rounds["peer3"]
     starts = [json.loads(line) for line in (tmp_path / "peer3.jsonl").read_text().splitlines()
               if line.strip() and json.loads(line)["event"] == "start"]
-    assert (starts and starts[0]["how"].startswith("joined")) or (slow and slow[0]["outcome"] == "resynced"), (
+    assert (starts and starts[0]["how"].startswith("joined")) or any(r["outcome"] == "resynced" for r in slow), (
         starts[:1], [(r["outcome"], r["reason"]) for r in slow])
     assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
     _assert_averaged_together(codes, rounds, tmp_path)
