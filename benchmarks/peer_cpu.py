@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,18 +34,16 @@ import psutil
 
 from benchmarks.vs_hivemind import (
     BATCH,
-    EVAL_BATCHES,
-    INNER_LR,
     MODEL,
     RESULTS,
     ROOT,
     SEQ_LEN,
-    WARMUP,
     H,
     _bootstrap,
     _env,
     _rows,
     _wait,
+    p2p_peer_argv,
 )
 
 ROLES = ("training thread", "trainer's other threads", "averager process", "DHT process", "p2p daemon")
@@ -98,11 +95,7 @@ def run(peers: int, seconds: float, work: Path) -> dict[str, Any]:
         maddr = wait_for_maddr(work / "bootstrap.out", boot)
         for i in range(peers):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                 "--use-relay", "false", "--initial-peers", maddr, "--run-id", "peer-cpu", "--model", MODEL,
-                 "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--inner-lr", str(INNER_LR),
-                 "--warmup-steps", str(WARMUP), "--local-steps", str(H), "--eval-batches", str(EVAL_BATCHES),
-                 "--eval-every", "1", "--log-file", str(work / f"p{i}.jsonl")],
+                p2p_peer_argv(maddr, "peer-cpu", work / f"p{i}.jsonl"),
                 stdout=open(work / f"p{i}.out", "w"), stderr=subprocess.STDOUT, env=_env(), cwd=ROOT))
         sampler.start()
         deadline = time.monotonic() + seconds + 600

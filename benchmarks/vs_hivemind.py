@@ -171,6 +171,16 @@ def run_hivemind(mode: str, peers: int, seconds: float, work: Path, matchmaking_
                               target_batch_size=peers * H * BATCH))
 
 
+def p2p_peer_argv(maddr: str, run_id: str, log: Path) -> list[str]:
+    """``run_peer`` at its defaults with this benchmark's model, data and evaluation settings (also used by
+    ``benchmarks/peer_cpu.py``)."""
+    return [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--use-relay", "false", "--initial-peers", maddr, "--run-id", run_id, "--model", MODEL,
+            "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--inner-lr", str(INNER_LR),
+            "--warmup-steps", str(WARMUP), "--local-steps", str(H), "--eval-batches", str(EVAL_BATCHES),
+            "--eval-every", "1", "--log-file", str(log)]
+
+
 def run_p2p(peers: int, seconds: float, work: Path) -> dict[str, Any]:
     from p2p_diloco.demo import wait_for_maddr
 
@@ -181,11 +191,7 @@ def run_p2p(peers: int, seconds: float, work: Path) -> dict[str, Any]:
         maddr = wait_for_maddr(work / "bootstrap.out", boot)
         for i in range(peers):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "p2p_diloco.cli.run_peer", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                 "--use-relay", "false", "--initial-peers", maddr, "--run-id", "vs-hivemind", "--model", MODEL,
-                 "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--inner-lr", str(INNER_LR),
-                 "--warmup-steps", str(WARMUP), "--local-steps", str(H), "--eval-batches", str(EVAL_BATCHES),
-                 "--eval-every", "1", "--log-file", str(work / f"p{i}.jsonl")],
+                p2p_peer_argv(maddr, "vs-hivemind", work / f"p{i}.jsonl"),
                 stdout=open(work / f"p{i}.out", "w"), stderr=subprocess.STDOUT, env=_env(), cwd=ROOT))
         # each peer trains for `seconds` from its own start event, then stops as on Ctrl+C
         deadline = time.monotonic() + seconds + 600
