@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,17 @@ FULL = dict(
     simulator=dict(model="small", seq_len=256, batch=8, workers=4, local_steps=100, rounds=20, eval_batches=16,
                    inner_lr=1e-3, warmup=100),
 )
+LEASE = dict(
+    memory=dict(shapes=["1b", "476m", "150m"], seq_len=2048, batch=8, micro_batch=1, steps=3, weights_dtype="bf16",
+                checkpointing=True, host_rounds=1, host_local_steps=3),
+    throughput=dict(presets=["tiny", "small", "150m"], seq_len=512, batch=16, steps=20),
+    swarm=dict(model="small", seq_len=256, batch=8, local_steps=20, rounds=3),
+    simulator=dict(model="small", seq_len=256, batch=8, workers=4, local_steps=100, rounds=8, eval_batches=8,
+                   inner_lr=1e-3, warmup=100),
+)
+"""``--plan lease``: the same sections cut to fit a short GPU lease (about 8 minutes on an H100/H200): fewer
+steps, presets and simulator rounds. Its simulator comparison is 8 rounds of H = 100, too short to settle the
+3% question; the JSON's settings say so beside every figure."""
 DRY = dict(
     memory=dict(shapes=["tiny"], seq_len=64, batch=2, micro_batch=1, steps=2, weights_dtype="fp32",
                 checkpointing=True, host_rounds=3, host_local_steps=10),
@@ -298,8 +310,10 @@ def section_swarm(plan: dict[str, Any], device: str, work: Path, timeout: float)
     return out
 
 
-def section_simulator(plan: dict[str, Any], device: str) -> dict[str, Any]:
-    """DiLoCo k = 4 against data parallel at equal compute, on ``device``, by the simulator."""
+def section_simulator(plan: dict[str, Any], device: str,
+                      on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """DiLoCo k = 4 against data parallel at equal compute, on ``device``, by the simulator. ``on_run`` gets the
+    runs finished so far after each one (a lease that ends mid-section keeps them)."""
     from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RunConfig, TrainConfig
     from p2p_diloco.simulate import SimConfig, run
 
@@ -322,6 +336,8 @@ def section_simulator(plan: dict[str, Any], device: str) -> dict[str, Any]:
                            outer_lr=cfg.outer.lr, outer_momentum=cfg.outer.momentum,
                            total_inner_steps=res.total_inner_steps, wall_s=time.monotonic() - began,
                            curve=[r.eval_loss for r in res.rounds])
+        if on_run is not None:
+            on_run(dict(settings=plan, runs=runs, ok=False, unfinished=True))
     ddp = runs["ddp"]["final_eval_loss"]
     ratios = {k: v["final_eval_loss"] / ddp for k, v in runs.items() if k != "ddp"}
     return dict(settings=plan, runs=runs, ratio_to_ddp=ratios,
@@ -343,10 +359,14 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def runbook(dry_run: bool, sections: list[str], timeout: float) -> dict[str, Any]:
-    plan = DRY if dry_run else FULL
+def runbook(dry_run: bool, sections: list[str], timeout: float, plan_name: str = "full",
+            out: Path | None = None) -> dict[str, Any]:
+    """Run ``sections`` in order; with ``out``, the JSON is rewritten after every section, so a run cut short
+    (a lease that ends, a hung section killed from outside) still leaves what it measured."""
+    plan = DRY if dry_run else PLANS[plan_name]
     device = "cpu" if dry_run else "cuda"
-    payload: dict[str, Any] = dict(dry_run=dry_run, device=device, began=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    payload: dict[str, Any] = dict(dry_run=dry_run, plan="dry-run" if dry_run else plan_name, device=device,
+                                   began=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     with tempfile.TemporaryDirectory(prefix="gpu_runbook_") as tmp:
         work = Path(tmp)
         for name in sections:
@@ -354,7 +374,11 @@ def runbook(dry_run: bool, sections: list[str], timeout: float) -> dict[str, Any
             logger.info("section %s ...", name)
             try:
                 if name == "simulator":
-                    result = section_simulator(plan[name], device)
+                    def partial(result: dict[str, Any], name: str = name) -> None:
+                        if out is not None:
+                            out.write_text(json.dumps(dict(payload, **{name: result}), indent=1))
+
+                    result = section_simulator(plan[name], device, partial)
                 else:
                     result = SECTIONS[name](plan[name], device, work, timeout)
             except Exception as e:  # noqa: BLE001 - the other sections still run; the JSON says what failed
@@ -362,11 +386,53 @@ def runbook(dry_run: bool, sections: list[str], timeout: float) -> dict[str, Any
             result["section_s"] = time.monotonic() - began
             payload[name] = result
             logger.info("section %s: %s in %.0f s", name, "ok" if result.get("ok") else "FAILED", result["section_s"])
+            if out is not None:
+                out.write_text(json.dumps(payload, indent=1))
     payload["machine"] = machine()  # last: the orchestrator touches CUDA only after every child has run
     payload["ok"] = all(payload[name].get("ok") for name in sections)
     return payload
 
 
+def plot(payload: dict[str, Any], png: Path) -> None:
+    """Two panels from a run-book JSON: memory measured against ``run_peer doctor``'s prediction (GPU peak, host
+    steady and peak, GB), and the inner loop's tokens/s per preset (log scale, MFU in the labels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    mem = payload.get("memory") or {}
+    probe_row, host = mem.get("device_probe") or {}, mem.get("host") or {}
+    bars = [("GPU peak", probe_row.get("gpu_peak_bytes"), probe_row.get("predicted_device_bytes")),
+            ("host steady", host.get("steady_bytes"), host.get("doctor_steady_bytes")),
+            ("host peak", host.get("peak_bytes"), host.get("doctor_peak_bytes"))]
+    bars = [b for b in bars if b[1] and b[2]]
+    xs = range(len(bars))
+    left.bar([x - 0.2 for x in xs], [b[1] / 1e9 for b in bars], 0.4, label="measured")
+    left.bar([x + 0.2 for x in xs], [b[2] / 1e9 for b in bars], 0.4, label="run_peer doctor")
+    left.set_xticks(list(xs), [b[0] for b in bars])
+    left.set_ylabel("GB")
+    left.set_title(f"memory, {probe_row.get('shape', '?')} shape ({(probe_row.get('params') or 0) / 1e9:.2f}B), "
+                   f"{probe_row.get('weights_dtype', '?')}" + (" + ckpt" if probe_row.get("checkpointing") else ""))
+    left.legend()
+    rows = [r for r in (payload.get("throughput") or {}).get("presets", []) if r.get("ok")]
+    if probe_row.get("tokens_per_s"):
+        rows.append(dict(probe_row, model=f"{probe_row.get('shape')} (micro 1, ckpt)"))
+    right.bar([r["model"] for r in rows], [r["tokens_per_s"] for r in rows])
+    for i, r in enumerate(rows):
+        if r.get("mfu") is not None:
+            right.annotate(f"MFU {r['mfu']:.1%}", (i, r["tokens_per_s"]), ha="center", va="bottom", fontsize=8)
+    right.set_yscale("log")
+    right.set_ylabel("inner-loop tokens/s")
+    gpu = (payload.get("machine") or {}).get("gpus") or [probe_row.get("gpu") or "?"]
+    right.set_title(f"throughput on {gpu[0]}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+PLANS = {"full": FULL, "lease": LEASE}
 SECTIONS = {"memory": section_memory, "throughput": section_throughput, "swarm": section_swarm,
             "simulator": section_simulator}
 
@@ -383,10 +449,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path (default benchmarks/results/gpu_runbook.json, or gpu_runbook_dry_run.json)")
+    parser.add_argument("--plan", choices=sorted(PLANS), default="full",
+                        help="full: the figures BENCHMARKS.md asks for (30-60 min on one GPU); lease: the same "
+                        "sections cut to about 8 min, for a short GPU lease (ignored with --dry-run)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="JSON",
+                        help="only draw the PNG (beside it) of a run-book JSON written earlier, e.g. one copied back "
+                        "from a GPU machine")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per probe and per swarm")
     args = parser.parse_args(argv)
     if args.cmd == "probe":
         print(json.dumps(probe(args.model, device=args.device, **json.loads(args.json))))
+        return 0
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        print(f"gpu_runbook: wrote {args.plot.with_suffix('.png')}")
         return 0
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
@@ -398,9 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             parser.error("no CUDA device here; pass --dry-run to check the run-book on the CPU")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    payload = runbook(args.dry_run, sections, args.timeout)
     out = args.out or RESULTS / ("gpu_runbook_dry_run.json" if args.dry_run else "gpu_runbook.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    payload = runbook(args.dry_run, sections, args.timeout, args.plan, out)
     out.write_text(json.dumps(payload, indent=1))
     print(f"gpu_runbook: {'ok' if payload['ok'] else 'FAILED'}; "
           + ", ".join(f"{s} {'ok' if payload[s].get('ok') else 'failed'}" for s in sections) + f"; wrote {out}")

@@ -39,6 +39,7 @@ from benchmarks.vs_hivemind import (
     ROOT,
     SEQ_LEN,
     H,
+    Hosts,
     _bootstrap,
     _env,
     _rows,
@@ -85,7 +86,7 @@ def run(peers: int, seconds: float, work: Path) -> dict[str, Any]:
     from p2p_diloco.demo import wait_for_maddr
 
     work.mkdir(parents=True, exist_ok=True)
-    boot = _bootstrap(work)
+    boot = _bootstrap(work, Hosts())
     procs: list[subprocess.Popen] = []
     last: list[dict[str, float]] = [{} for _ in range(peers)]
     stop = threading.Event()

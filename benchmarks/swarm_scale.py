@@ -67,7 +67,7 @@ def peer_main(argv: list[str]) -> int:
     import torch
 
     from p2p_diloco.cli.common import make_parser, parse_config, setup_logging
-    from p2p_diloco.host_memory import return_freed_memory
+    from p2p_diloco.host_memory import return_freed_memory, threshold_for
     from p2p_diloco.inner_stats import InnerStats
     from p2p_diloco.peer.config import PeerConfig
     from p2p_diloco.peer.runlog import RunLog
@@ -79,7 +79,8 @@ def peer_main(argv: list[str]) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.5, help="wall time of one synthetic inner step")
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
-    return_freed_memory()  # as run_peer does, before anything model-sized exists and processes are forked
+    # as run_peer does for a CUDA peer, whose host holds model-sized buffers only, like this synthetic peer
+    return_freed_memory(threshold_for("cuda"))
     n = args.synthetic_params
     params = [torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02]
     fingerprint = hashlib.sha256(f"swarm-scale-{n}".encode()).hexdigest()[:16]

@@ -63,3 +63,26 @@ def reap_children():
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
+    _fresh_mpfuture_locks(me)
+
+
+def _fresh_mpfuture_locks(me: psutil.Process) -> None:
+    """Give this test process fresh hivemind MPFuture locks once no process forked from it is left.
+
+    Every process forked from this one shares its MPFuture locks (multiprocessing semaphores). A child killed
+    while it sends a result (the reaper above, a test's own SIGKILL, hivemind's "terminating it the hard way")
+    never releases the lock, and every hivemind process started later in this process then hangs on its first
+    result: seen as four DHT starts in a row timing out in one xdist worker of a CI run. With no child left,
+    nothing else shares the old locks, so replacing them costs nothing; a module-scoped fixture's processes
+    (children still running) keep theirs."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    if MPFuture._active_pid != os.getpid():
+        return  # no MPFuture backend in this process: no locks were shared
+    try:
+        alive = [c for c in me.children(recursive=False)
+                 if c.name() != "torch_shm_manager" and c.status() != psutil.STATUS_ZOMBIE]
+    except psutil.Error:
+        return  # a child changed while we looked: leave the locks, the next test looks again
+    if not alive:
+        MPFuture.reset_backend()

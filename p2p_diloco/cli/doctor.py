@@ -314,7 +314,7 @@ def check_averager(swarm, dht, fingerprint: str | None) -> Check:
     import torch
 
     from p2p_diloco.swarm.averager import RoundAverager
-    from p2p_diloco.swarm.state import StateServer
+    from p2p_diloco.swarm.state_server import StateServer
 
     template = [torch.zeros(16)]
     try:

@@ -36,7 +36,7 @@ from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usag
 from p2p_diloco.cli.open_files import raise_open_files_limit
 from p2p_diloco.config_loader import to_dict
 from p2p_diloco.data.sources import DataSourceError
-from p2p_diloco.host_memory import return_freed_memory
+from p2p_diloco.host_memory import return_freed_memory, threshold_for
 from p2p_diloco.models import ModelLoadError, count_parameters, model_fingerprint
 from p2p_diloco.monitoring import PeerMetrics, ProgressDisplay
 from p2p_diloco.monitoring.tracking import ExperimentTracker, TrackingError
@@ -160,7 +160,11 @@ def _main(argv: Sequence[str] | None) -> int:
         usage_error(PROG, "--fragments, --fragment-delay and --fragment-alpha: the swarm peer does not synchronise "
                           "fragments yet (Streaming DiLoCo runs in the simulator: python -m p2p_diloco.simulate "
                           "--mode streaming); leave them at 1, 0 and 0")
-    return_freed_memory()  # before the model exists and the swarm's processes are forked (see host_memory)
+    # Before the model exists and the swarm's processes are forked; the threshold by where the step runs (see
+    # host_memory). A device this machine lacks is refused later, with the node's own message.
+    requested = cfg.inner.device
+    on_cuda = requested.startswith("cuda") or (requested == "auto" and torch.cuda.is_available())
+    return_freed_memory(threshold_for("cuda" if on_cuda else "cpu"))
     cfg, group = _join_node(cfg)
     lead = group is None or group.lead  # rank 0 of a node (or a one-GPU peer) prints, logs and checkpoints
     ranks = group.world_size if group else 1  # each rank trains on its own --batch-size

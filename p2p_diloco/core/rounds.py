@@ -131,6 +131,10 @@ class RoundResult:
     """This peer led the group: seconds from the start of its search until the last due peer that did come
     joined it (``None`` when it followed, or no due peer joined). In a round that cut due peers this is the
     one arrival sample left: ``core.deadlines`` learns the window from it."""
+    left_behind: bool = False
+    """The swarm moved past this round's epoch while this peer looked for a group, and the search stopped
+    before any group formed (``swarm.commands.GiveUp``): nothing was averaged and nothing of this peer's was
+    touched."""
     timed_out: bool = False
     """The all-reduce ran into its deadline (``allreduce_deadline_s``)."""
     window_s: float = 0.0

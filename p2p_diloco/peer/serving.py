@@ -18,7 +18,7 @@ from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.peer.view import SwarmView
 from p2p_diloco.swarm.checksum import TensorManifest, state_sha256, tensor_manifest
 from p2p_diloco.swarm.facade import Swarm
-from p2p_diloco.swarm.state import ServedUpdate
+from p2p_diloco.swarm.state_server import ServedUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -48,6 +48,7 @@ from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.round_driver import RoundDriver
 from p2p_diloco.core.rounds import STALL_HINTS, Outcome, RoundPolicy, RoundReport, Stall
 from p2p_diloco.data.loader import DataPosition
+from p2p_diloco.host_memory import trim_before_fork
 from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.admission import refuse_other_models, warn_other_versions
 from p2p_diloco.peer.config import PeerConfig
@@ -190,6 +191,7 @@ class SwarmSession:
 
         ``SwarmStartError`` when ``/dev/shm`` cannot hold the shared tensors (``p2p_diloco.shared_memory``)."""
         self._share_before_fork()
+        trim_before_fork()  # the private copies just freed must not be inherited (host_memory)
         self.swarm.start()
         self.driver.peer_id = self.peer_id
         self.port.view.start()

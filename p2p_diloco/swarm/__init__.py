@@ -17,7 +17,8 @@ from p2p_diloco.swarm.records import (
     run_validator,
 )
 from p2p_diloco.swarm.result import RoundResult
-from p2p_diloco.swarm.state import StateServer, SwarmState, download_state
+from p2p_diloco.swarm.state import SwarmState, download_state
+from p2p_diloco.swarm.state_server import StateServer
 
 __all__ = [
     "PeerProgress",

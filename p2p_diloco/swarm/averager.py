@@ -55,7 +55,7 @@ from p2p_diloco.swarm.runner import (
     FaultHook,
     no_faults,
 )
-from p2p_diloco.swarm.state import StateSharingMixin
+from p2p_diloco.swarm.state_server import StateSharingMixin
 
 logger = logging.getLogger(__name__)
 _HOST_GRACE_S = 10.0
@@ -213,9 +213,11 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
           until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
           model-sized copy per round).
         :param left_behind: asked every ``LEFT_BEHIND_POLL_S`` once the round's matchmaking window has passed
-          and no group has formed yet (on this thread, which only waits then); ``True`` gives the round up at
-          once (``Evidence.left_behind``: every peer this one believes is past ``epoch``). ``None``: wait up
-          to ``matchmaking_timeout_s``.
+          and no group has formed yet (on this thread, which only waits then); ``True`` asks the averager
+          process to give the round up (``Evidence.left_behind``: every peer this one believes is past
+          ``epoch``), which it does only while no group has formed: the result is then skipped with
+          ``left_behind``, else the group's own (see ``_wait``). ``None``: wait up to
+          ``matchmaking_timeout_s``.
         """
         if fresh is not None:
             self._check_tensors("fresh", fresh)
@@ -258,18 +260,20 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
-            result = self._wait(control, budget, left_behind, after_s=deadlines.window_s)
+            result = self._wait(control, budget, left_behind, after_s=deadlines.window_s, give_up=self._give_up)
         except TimeoutError:
             control.cancel()
             # the averager process may have scaled the late work in place before it went silent
             return RoundResult(Outcome.SKIPPED, f"no answer from the averager within {budget:.0f} s", epoch,
                                late_consumed=has_stale)
-        except _LeftBehind:  # cancelled while no group had formed: the late work was not touched
-            return RoundResult(Outcome.SKIPPED, f"the swarm left epoch {epoch} before a group formed", epoch)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"round failed: {e!r}", epoch, late_consumed=has_stale)
         finally:
             del stale_shared
+        if result.left_behind:  # no group formed, nothing touched; its wait says nothing of the arrivals
+            result.epoch = epoch
+            logger.info("Round %d skipped: %s", epoch, result.reason)
+            return result
         result.window_s, result.allreduce_deadline_s = deadlines.window_s, deadlines.allreduce_s
         self.deadlines.observe(
             deadlines,
@@ -286,12 +290,17 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
 
     @staticmethod
     def _wait(control: StepControl, budget: float, left_behind: Callable[[], bool] | None,
-              after_s: float = 0.0) -> RoundResult:
-        """``control``'s result within ``budget`` seconds (``TimeoutError`` past it); ``_LeftBehind`` once
-        ``left_behind()`` says so while the averager process still looks for a group, asked only ``after_s``
-        seconds into the search (the round's window). The step is cancelled then, which the process honours
-        only before a group forms (``RoundProcessMixin._step``): a round whose all-reduce began is never
-        abandoned here, it runs to its result.
+              after_s: float = 0.0, give_up: Callable[[], None] | None = None) -> RoundResult:
+        """``control``'s result within ``budget`` seconds (``TimeoutError`` past it). While the averager
+        process still looks for a group, ``left_behind()`` is asked, first ``after_s`` seconds into the search
+        (the round's window), then every ``LEFT_BEHIND_POLL_S``; once it says so, ``give_up()`` asks the
+        averager process to stop the search (``commands.GiveUp``), and the wait goes on for the round's own
+        result: ``left_behind`` when the search stopped before a group formed, else the group's all-reduce.
+
+        Why the process decides and not this thread: the stage this thread reads lags the process. A group can
+        form between the read and the request; had this thread then dropped the round, the group's other
+        members would apply an update this peer never applied (a group split, seen in a CI run). The process
+        answers on the loop where groups form, so a round whose group formed always runs to its result.
 
         Why not before the window ends: a record one epoch ahead does not always mean the round is over. An
         eager peer publishes ``e + 1`` while its all-reduce of ``e`` still looks for a group, and any leader
@@ -299,6 +308,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         peer past ``e``, the group of ``e`` formed without this peer."""
         began = time.monotonic()
         deadline, ask_at = began + budget, began + after_s
+        asking = left_behind is not None and give_up is not None
         while True:
             now = time.monotonic()
             remaining = deadline - now
@@ -306,17 +316,18 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
                 raise TimeoutError
             try:
                 # first asked the moment the window ends, then every LEFT_BEHIND_POLL_S
-                return control.result(timeout=remaining if left_behind is None else
-                                      min(remaining, max(0.05, ask_at - now)))
+                return control.result(timeout=remaining if not asking else min(remaining, max(0.05, ask_at - now)))
             except TimeoutError:
-                if left_behind is None or time.monotonic() < ask_at:
+                if not asking or time.monotonic() < ask_at:
                     continue
                 ask_at = time.monotonic() + LEFT_BEHIND_POLL_S
-                if control.stage != AveragingStage.LOOKING_FOR_GROUP:
-                    continue
-                if left_behind() and control.stage == AveragingStage.LOOKING_FOR_GROUP:
-                    control.cancel()
-                    raise _LeftBehind from None
+                if control.stage == AveragingStage.LOOKING_FOR_GROUP and left_behind():
+                    give_up()
+                    asking = False  # asked once; the process's answer is the round's result
+
+    def _give_up(self) -> None:
+        """Ask the averager process to stop looking for the running round's group (``commands.GiveUp``)."""
+        commands.send(self._outer_pipe, commands.GiveUp(MPFuture()))
 
     @contextlib.contextmanager
     def fresh_buffers(self, timeout: float = 0.0) -> Iterator[list[torch.Tensor] | None]:
@@ -344,6 +355,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
 
     COMMANDS: ClassVar[dict[type, str]] = {
         commands.Step: "_step",
+        commands.GiveUp: "_give_up_requested",
         commands.Ban: "_ban_requested",
         commands.FetchManifests: "_fetch_manifests",
         commands.FetchChunks: "_fetch_chunks",
@@ -373,9 +385,10 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         window and the all-reduce deadline are this round's ``deadlines``, ``stale`` the round's late work,
         ``epoch`` picks the round's matchmaking key (``protocol.round_group_bits``)."""
         now = get_dht_time()
+        deadline = self._join_timing.deadline(self.cfg.matchmaking_timeout_s)
         control = StepControl(
-            scheduled_time=now + deadlines.window_s,
-            deadline=self._join_timing.deadline(self.cfg.matchmaking_timeout_s),
+            scheduled_time=JoinTiming.scheduled_time(now, deadlines.window_s, deadline, self.cfg.client_mode),
+            deadline=deadline,
             allow_retries=False,
             weight=1.0,
             data_for_gather=data_for_gather,
@@ -427,7 +440,3 @@ def _shared(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         tensor = tensor.to("cpu", memory_format=torch.contiguous_format, copy=True)
     return tensor.share_memory_()
-
-
-class _LeftBehind(Exception):
-    """``RoundAverager._wait``: the swarm moved past this round's epoch while this peer looked for a group."""

@@ -10,8 +10,11 @@ identical on all of them, so a joiner that applies them to state ``e`` gets stat
 checks it against the digest of ``e + 1`` the swarm published, with the same trust rules as a download.
 
 Serving costs the donors no memory in a blocking round: the fresh mean is the averager's own shared buffer,
-untouched until the next round's pseudo-gradient is written into it, which is when the update is withdrawn
-(``StateServer.withdraw_update``); a late-work term is kept for that one round. The update's manifest is
+untouched until the next round's pseudo-gradient is written into it (``StateServer.withdraw_update``); a
+late-work term is kept for that one round. Only when a joiner fetched a manifest from the donor since the
+update was published does the donor copy the update then (4 bytes per parameter) and serve the copy through
+that round, until its outer step: a joiner whose state download lasts about a round finishes it during the
+next round, and still finds the update it needs. The update's manifest is
 hashed only when a joiner first asks for it. Eager rounds serve no update (their peers' parameters differ by
 design and publish no checksums).
 

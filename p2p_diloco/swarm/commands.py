@@ -39,6 +39,19 @@ class Step:
 
 
 @dataclass
+class GiveUp:
+    """Stop looking for the running round's group, if none has formed yet (the swarm moved past its epoch).
+
+    The averager process decides, on the loop where groups form (``round_process.RoundProcessMixin._step``):
+    before a group formed the search stops and the round's result says ``left_behind``; once one formed the
+    request is refused and the round runs to its result, which the training side then applies like any other.
+    A training side that dropped a round its process had joined left that group's other members with an update
+    this peer never applied: the group split. ``future`` resolves to whether a search was running to ask."""
+
+    future: MPFuture
+
+
+@dataclass
 class Ban:
     """Ban a peer for the rest of the run in the averager process (matchmaking, all-reduce, state serving)."""
 
@@ -73,7 +86,7 @@ class FetchChunks:
     future: MPFuture
 
 
-Command = Step | Ban | FetchManifests | FetchChunks
+Command = Step | GiveUp | Ban | FetchManifests | FetchChunks
 
 
 def send(pipe: Any, command: Command) -> None:

@@ -36,7 +36,8 @@ from p2p_diloco.swarm.records import (
 )
 from p2p_diloco.swarm.runner import FaultHook
 from p2p_diloco.swarm.signing import RecordAudit, record_audit
-from p2p_diloco.swarm.state import ServedUpdate, StateServer, SwarmState, download_state
+from p2p_diloco.swarm.state import SwarmState, download_state
+from p2p_diloco.swarm.state_server import ServedUpdate, StateServer
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +249,8 @@ class Swarm:
         """One round; the group forms as soon as every peer due in it has joined. Who is due comes from the
         records the round policy's observation just read (:meth:`records`), see ``swarm.quorum``.
         ``copy_out=False``: the fresh mean is a view of the shared buffer; ``left_behind``: asked while no
-        group has formed, ``True`` gives the round up (both: see ``RoundAverager.average``)."""
+        group has formed, ``True`` asks the averager process to give the round up, which it does only if no group
+        has formed by then (both: see ``RoundAverager.average``)."""
         due = due_peers(self._seen, epoch)
         self._warn_above_target(len(due), epoch)
         # A client never declares, so it can join only a leader whose declaration ends before its own: one that

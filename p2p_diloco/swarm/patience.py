@@ -81,6 +81,26 @@ class JoinTiming:
         """DHT-time deadline of a step whose search lasts ``search_seconds`` from now."""
         return get_dht_time() + search_seconds + self.patience
 
+    @staticmethod
+    def scheduled_time(now: float, window_s: float, deadline: float, client_mode: bool) -> float:
+        """The ``StepControl.scheduled_time`` of a step that starts ``now``: the end of its first window, or,
+        for a peer in client mode, its deadline.
+
+        hivemind's leader turns away a follower whose join request expires before the leader's own declared
+        window ends (``BAD_EXPIRATION_TIME``), and the follower does not ask that leader again until it declares
+        anew, when its window ends and it forms the group with whoever joined. A request expires at the end of
+        the follower's window, or ``min_matchmaking_time`` (the window's floor with adaptive deadlines) after it
+        is sent, whichever is later; so with a window grown above its floor, a follower that began its round
+        before the leader was turned away. A full peer arriving a few milliseconds before the leader is not
+        hurt: hivemind lets it lead, and the later one joins it. A client
+        never leads, so each time it arrived a moment before the only full peer (they finish their inner steps
+        together) it was turned away, and joined at the leader's next declaration or not at all (measured behind
+        a real NAT: the leader's "every due peer joined" came at 8.03 s of an 8 s window, and in 1 round of 6 a
+        client searched 12 s and was left behind). A request that expires at the end of the client's search
+        is accepted by any leader whose window ends before it; the client still waits only until its deadline.
+        """
+        return deadline if client_mode else now + window_s
+
     @contextlib.contextmanager
     def leader_view(self, request: averaging_pb2.JoinRequest) -> Iterator[averaging_pb2.JoinRequest]:
         """``request`` as hivemind's admission check must see it: the follower's own expiration, and its

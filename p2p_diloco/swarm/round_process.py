@@ -98,6 +98,18 @@ async def _settle_credit(compression: Any, averaged: Sequence[torch.Tensor], app
 class RoundProcessMixin:
     """``_step`` and ``_aggregate_with_group`` of ``RoundAverager``: what a round does in the averager process."""
 
+    _search_give_up: asyncio.Event | None = None
+    """Averager process: set by ``commands.GiveUp`` while ``_step`` looks for the running round's group;
+    ``None`` outside a search (a request then finds nothing to stop). Made and read on the process's loop."""
+
+    async def _give_up_requested(self, future: MPFuture) -> None:
+        """``commands.GiveUp``: ask the running search to stop. ``_step`` decides whether it does (only while no
+        group has formed) and says so in the round's result (``RoundResult.left_behind``)."""
+        event = self._search_give_up
+        if event is not None:
+            event.set()
+        future.set_result(event is not None)
+
     async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = (),
                     allreduce_timeout: float | None = None, stale: list[torch.Tensor] | None = None,
                     step_back: bool = True, epoch: int | None = None) -> None:
@@ -126,14 +138,30 @@ class RoundProcessMixin:
             early = asyncio.create_task(self._early.watch(self._matchmaking, self.peer_id.to_base58(), due, formed,
                                                           step if step_back else None))
             cancelled = asyncio.create_task(step.wait_for_cancel())
+            give_up = self._search_give_up = asyncio.Event()
+            asked = asyncio.create_task(give_up.wait())
             try:
-                await asyncio.wait({matchmaking, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({matchmaking, cancelled, asked}, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                self._search_give_up = None
                 early.cancel()
+                asked.cancel()
             if step.cancelled():
                 matchmaking.cancel()
                 return
             cancelled.cancel()
+            if give_up.is_set() and not matchmaking.done():
+                # Decided here, on the loop where groups form: no group has formed, so none runs without us.
+                matchmaking.cancel()
+                await asyncio.wait({matchmaking})
+                if matchmaking.cancelled():
+                    step.set_result(RoundResult(
+                        Outcome.SKIPPED, f"the swarm left epoch {epoch} before a group formed", left_behind=True,
+                        wait_seconds=time.monotonic() - began))
+                    return
+                # it finished as the cancel came: a group that formed with us runs; an error is reported below
+            elif give_up.is_set():
+                logger.info("The swarm looked past epoch %s as the group of this round formed: running it", epoch)
             group_info = await matchmaking
             waited = time.monotonic() - began
             if group_info is None:

@@ -1,17 +1,8 @@
-"""State sharing for joiners: serve (parameters, outer-optimizer tensors, metadata) and download it verified,
-from several donors at once, in chunks.
+"""A peer's state as joiners get it: the manifest both sides agree on, and the verified download from several
+donors at once, in chunks. Serving it is ``swarm.state_server``'s.
 
-Serving: a donor announces itself under ``{prefix}.all_averagers`` with its epoch as priority (hivemind's
-state protocol) and answers ``rpc_state_chunk`` (``swarm.chunk_transfer``) with its manifest (msgpack
-metadata and the sha256 of every 1 MiB chunk, ``core.chunks``) or one chunk's bytes (nothing is pickled).
-It serves its live anchors and momentum, not a copy: before they change (an outer step, a resync) the host
-withdraws them (``StateServer.withdraw``), waits for downloads in flight to end (at most a budget saved at
-15% of the time it worked, ``core.chunks.ServeWait``, which no downloader can stretch; a joiner
-that fetched a manifest or chunk in the last ``_PIN_S`` counts as in flight), and bumps a version that a stream checks
-before every message it sends; so a chunk is either of one epoch or cut short (the joiner then fetches it
-from another donor, or the new state). hivemind's whole-state stream (``rpc_download_state``) is closed. A
-donor also serves the last round's update for one round (``swarm.catchup``): a joiner whose download
-outlasted a round applies it instead of downloading again.
+A state is (parameters, outer-optimizer tensors, metadata). Its manifest (:func:`make_state_metadata`) is
+msgpack metadata and the sha256 of every 1 MiB chunk (``core.chunks``); nothing is pickled.
 
 Downloading (:func:`download_state`) reads every donor's manifest and accepts a state only after checking:
 
@@ -38,27 +29,19 @@ acceptable state: start fresh if this is the first peer, otherwise wait and retr
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import math
-import multiprocessing as mp
-import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Protocol  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+from typing import Any, Protocol
 
 import torch
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils import ValueWithExpiration
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap, ServeWait
+from p2p_diloco.core.chunks import CHUNK_BYTES, DIGEST_BYTES, ChunkMap
 from p2p_diloco.core.evidence import EPOCH_LIMIT, plausible_epoch, state_verdict
-from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, manifest_sha, tensor_manifest
+from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, manifest_sha
 from p2p_diloco.swarm.chunk_transfer import BAD_CHUNK, INCOMPLETE, fetch_verified, state_chunk_map
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.records import SHA256_PATTERN, fetch_checksums, fetch_progress, global_epoch
@@ -68,10 +51,6 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 3
 """2: ``sha`` covers the outer momentum too (``checksum.state_sha256``). 3: served in chunks, with a manifest
 of chunk digests from which ``sha`` is computed."""
-_PIN_S = 2.0
-"""A donor that served a manifest or a chunk this recently counts as serving a download (see
-``StateServer.withdraw``); longer than a joiner's wait for the other donors' manifests
-(``core.chunks.MANIFEST_GRACE_S``)."""
 StateProvider = Callable[[], tuple[dict[str, Any], list[torch.Tensor]]]
 
 
@@ -119,225 +98,11 @@ class SwarmState:
     """Donor -> verified chunks it delivered (a donor that sent a bad chunk is not in it)."""
 
 
-class StateSharingMixin:
-    """State serving and donor lookup, mixed into ``RoundAverager`` (a hivemind averager).
-
-    Call :meth:`init_state_sharing` before the averager process starts: the two counters it creates live in
-    shared memory, read and written by both processes."""
-
-    _state_provider: StateProvider | None = None
-    # What this mixin uses of hivemind's DecentralizedAverager (annotations only: the values are hivemind's).
-    allow_state_sharing: bool
-    prefix: str
-    dht: Any
-    peer_id: PeerID
-
-    def init_state_sharing(self) -> None:
-        self._state_version = mp.Value(ctypes.c_int64, 0)
-        """Bumped by the host before the served tensors change; a stream stops when it changed."""
-        self._streams_open = mp.Value(ctypes.c_int64, 0)
-        """Downloads and chunk requests being served right now (the host waits for them before changing the
-        state)."""
-        self._manifests_served = mp.Value(ctypes.c_int64, 0)
-        """Manifests handed to joiners: each download (or catch-up) of our state starts with one."""
-        self._last_served = mp.Value(ctypes.c_double, 0.0)
-        """Wall time the last manifest or state chunk was served: a joiner between two requests is still
-        downloading."""
-
-    def bump_state_version(self) -> None:
-        with self._state_version.get_lock():
-            self._state_version.value += 1
-
-    def streams_open(self) -> int:
-        return int(self._streams_open.value)
-
-    def manifests_served(self) -> int:
-        return int(self._manifests_served.value)
-
-    def downloading(self) -> bool:
-        """A joiner is downloading our state: a stream is open, or a manifest or chunk was served moments ago
-        (a joiner between two requests)."""
-        return self.streams_open() > 0 or time.time() - self._last_served.value < _PIN_S
-
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's whole-state stream: closed. Joiners fetch chunks (``rpc_state_chunk``), each verified on
-        receipt; a second way to pull the whole model would only be a second way to load this peer."""
-        return
-        yield  # an async generator that yields nothing
-
-    def set_state_provider(self, provider: StateProvider | None) -> None:
-        """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
-        self._state_provider = provider
-        self.allow_state_sharing = provider is not None
-
-    def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
-        """Called by hivemind in this (host) process when a peer downloads our state."""
-        provider = self._state_provider
-        if provider is None:
-            raise RuntimeError("this peer is not sharing state")
-        metadata, tensors = provider()
-        return metadata, list(tensors), None
-
-    def state_donors(self) -> list[tuple[str, float]]:
-        """Peers announcing shareable state for this run and model: ``(peer id, priority)``, best first."""
-        key = f"{self.prefix}.all_averagers"
-        found = self.dht.get(key, latest=True, return_future=True).result(timeout=30)
-        if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
-            return []
-        donors = []
-        for subkey, entry in list(found.value.items())[:4096]:
-            try:
-                peer = PeerID(subkey)
-            except Exception:
-                continue
-            priority = entry.value if isinstance(entry, ValueWithExpiration) else None
-            if (
-                isinstance(priority, bool)
-                or not isinstance(priority, (int, float))
-                or not math.isfinite(priority)
-            ):
-                continue  # None marks a peer that stopped sharing
-            allowed = getattr(self, "_allowed", None)
-            if allowed is not None and peer.to_base58() not in allowed:
-                continue  # a private swarm takes state only from its own members
-            if peer != self.peer_id:
-                donors.append((peer.to_base58(), float(priority), random.random()))
-        return [(peer, priority) for peer, priority, _ in sorted(donors, key=lambda d: (-d[1], d[2]))]
-
 def make_state_metadata(run_id: str, fingerprint: str, epoch: int, sha: str, params: TensorManifest,
                         momentum: TensorManifest, n_params: int, n_opt: int) -> dict:
     """The served manifest: who and what the state is, and the sha256 of each of its chunks."""
     return {"v": STATE_VERSION, "run": run_id, "fp": fingerprint, "ep": epoch, "sha": sha, "np": n_params,
             "no": n_opt, "cs": CHUNK_BYTES, "pc": params.chunks, "mc": momentum.chunks}
-
-
-@dataclass
-class ServedUpdate:
-    """The round's update that turned state ``base_sha`` (epoch ``epoch - 1``) into the served one: the tensors
-    ``core.delayed.apply_round`` applied (the fresh mean, the late-work term; ``None`` where the round had
-    none). Served, not copied: they are the averager's buffers, valid until the next round writes into them
-    (``StateServer.withdraw_update``)."""
-
-    base_sha: str
-    fresh: list[torch.Tensor] | None
-    stale: list[torch.Tensor] | None
-
-
-class StateServer:
-    """Serves this peer's live state to joiners: ``publish`` after each change, ``withdraw`` before the next.
-
-    No copy is kept: the tensors served are the anchors and momentum themselves (CPU), so serving costs no
-    memory beyond one chunk per request being answered. The price: the owner must call :meth:`withdraw`
-    before changing them, which waits for downloads in flight (bounded, see the module docstring).
-    """
-
-    def __init__(self, averager: ServingAverager):
-        self._averager = averager
-        self._lock = threading.Lock()
-        self._state: tuple[dict[str, Any], list[torch.Tensor]] | None = None
-        self._update: ServedUpdate | None = None
-        self._update_meta: dict[str, Any] | None = None
-        self.waited_s = 0.0
-        """Seconds :meth:`withdraw` spent waiting for downloads in flight, in total."""
-        self.budget = ServeWait()
-        """How long the next withdrawal may wait for downloads (``core.chunks.ServeWait``: a share of the time
-        worked, saved up to a burst)."""
-        self.cut_off = 0
-        """Withdrawals that cut downloads still running (their joiners fetch the new state instead)."""
-
-    def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int,
-                manifest: TensorManifest | None = None, update: ServedUpdate | None = None) -> str:
-        """Serve ``params`` and ``opt_tensors`` (CPU tensors, not copied) as the state of ``epoch``; returns
-        its digest (``checksum.state_sha256``). ``manifest``: the parameters' manifest when the caller hashed
-        them already (one pass over them per round; the digest then adds only the momentum's pass).
-        ``update``: the round's update that led here, served until :meth:`withdraw_update`.
-
-        A client-mode peer serves nothing: it accepts no incoming connections, so no joiner could download
-        from it, and hivemind refuses to announce its state. It only gets the checksum back.
-        """
-        manifest = manifest if manifest is not None else tensor_manifest(params)
-        momentum = tensor_manifest(opt_tensors)
-        sha = combine_state_sha(manifest.sha, momentum.sha)
-        if self._averager.client_mode:
-            return sha
-        tensors = [t.detach() for t in (*params, *opt_tensors)]
-        extra = [*(update.fresh or ()), *(update.stale or ())] if update is not None else []
-        if any(t.device.type != "cpu" for t in (*tensors, *extra)):
-            raise ValueError("the served state must be CPU tensors (keep anchors and momentum on the CPU)")
-        cfg = self._averager.cfg
-        metadata = make_state_metadata(cfg.run_id, self._averager.fingerprint, int(epoch), sha, manifest, momentum,
-                                       len(params), len(opt_tensors))
-        with self._lock:
-            self._state = (metadata, tensors)
-            self._update, self._update_meta = update, None
-        self._averager.state_sharing_priority = float(epoch)  # donors with newer state are asked first
-        self._averager.set_state_provider(self._provide)
-        return sha
-
-    def _provide(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        with self._lock:
-            if self._state is None:
-                raise RuntimeError("this peer's state is changing; ask another donor")
-            state_meta, tensors = self._state
-            update, extra = self._update, []
-            if update is not None:
-                fresh, stale = list(update.fresh or ()), list(update.stale or ())
-                if self._update_meta is None:  # hashed once, when a joiner first asks (not every round)
-                    fm, sm = tensor_manifest(fresh), tensor_manifest(stale)
-                    self._update_meta = dict(state_meta, ep=state_meta["ep"] - 1, base=update.base_sha,
-                                             to=state_meta["sha"], sha=combine_state_sha(fm.sha, sm.sha),
-                                             np=len(fresh), no=len(stale), pc=fm.chunks, mc=sm.chunks)
-                extra = [t.detach() for t in (*fresh, *stale)]
-            return {"s": state_meta, "u": self._update_meta if update is not None else None}, tensors + extra
-
-    @property
-    def served(self) -> int:
-        """Downloads of our state (or of its round update) begun so far: manifests handed out."""
-        return self._averager.manifests_served()
-
-    def withdraw_update(self, timeout: float) -> None:
-        """The update's buffers are about to be overwritten (the next round's pseudo-gradient): stop serving
-        it, as :meth:`withdraw` does for the state. Nothing to wait for when none is served."""
-        with self._lock:
-            if self._update is None:
-                return
-            self._update = self._update_meta = None
-        self._wait_and_cut(timeout)
-
-    def withdraw(self, timeout: float) -> None:
-        """The served tensors are about to change: stop handing them out, wait up to ``timeout`` s for the
-        downloads in flight to end (a joiner fetching chunks counts until it paused ``_PIN_S``), then make
-        any still running stop before their next message."""
-        with self._lock:
-            self._state = None
-            self._update = self._update_meta = None
-        self._wait_and_cut(timeout)
-
-    def _wait_and_cut(self, timeout: float) -> None:
-        """Wait for downloads in flight, at most ``timeout`` and at most what the budget allows
-        (``core.chunks.ServeWait``: nobody downloading can hold this peer's rounds for more than a share of
-        its work plus one burst), then make those still running stop before their next message: their
-        joiners get a chunk cut short, a clean failure, and fetch the new state."""
-        if self._averager.client_mode or not self._averager.is_alive():
-            return
-        began = time.monotonic()
-        allowed = self.budget.allowance(timeout)
-        deadline = began + allowed
-        while self._averager.downloading() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if self._averager.downloading():
-            self.cut_off += 1
-            logger.info("A state download still runs after %.2f s (the budget left for downloads); cutting it "
-                        "off to change our state (cut %d so far)", allowed, self.cut_off)
-        self._averager.bump_state_version()
-        waited = time.monotonic() - began
-        self.budget.spend(waited)
-        self.waited_s += waited
-
-    def stop(self) -> None:
-        """Stop serving (e.g. while this peer resyncs itself)."""
-        self._averager.set_state_provider(None)
 
 
 def check_state_metadata(raw: bytes | str | None, run_id: str, fingerprint: str,

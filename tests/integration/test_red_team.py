@@ -100,12 +100,14 @@ def test_ten_sybils_neither_move_the_epoch_nor_win_the_checksum_vote(tmp_path: P
             assert not any(b.split(": ", 1)[0] in ids.values() for b in r["rejected"] + r["record_bans"]), (name, r)
         # Once it averaged with both others, a peer's rounds averaged, were cleanly skipped at the others' stop,
         # or followed the other honest peers: a peer the machine's load made miss one group (the others' window
-        # closed before it arrived) loads the state they made, never one the Sybils claim.
+        # closed before it arrived) loads the state they made, never one the Sybils claim, and its next round
+        # may fold its late work into a group of honest peers (a CI run on a loaded host: resynced twice, then
+        # folded_late in the group of all three, with the others' parameters).
         first = rows.index(_together(rows)[0])
         made = {x["new_epoch"] for n in NAMES if n != name for x in rounds[n] if x["outcome"] == "averaged"}
         for r in rows[first:]:
-            assert r["outcome"] in ("averaged", "skipped", "resynced"), (name, r)
-            if r["outcome"] == "resynced":
+            assert r["outcome"] in ("averaged", "skipped", "resynced", "folded_late"), (name, r)
+            if r["outcome"] in ("resynced", "folded_late"):
                 assert r["new_epoch"] in made, (name, r, sorted(made))
     by_epoch: dict[int, set[str]] = defaultdict(set)
     for rows in rounds.values():

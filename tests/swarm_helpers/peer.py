@@ -33,7 +33,8 @@ from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import fetch_progress, publish_checksum, publish_progress, run_validator
-from p2p_diloco.swarm.state import ServedUpdate, StateServer, download_state, make_state_metadata
+from p2p_diloco.swarm.state import download_state, make_state_metadata
+from p2p_diloco.swarm.state_server import ServedUpdate, StateServer
 
 MAX_WAIT_S = 60.0
 

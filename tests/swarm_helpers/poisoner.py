@@ -36,7 +36,8 @@ from p2p_diloco.swarm.catchup import download_update
 from p2p_diloco.swarm.checksum import state_sha256, tensor_manifest
 from p2p_diloco.swarm.dht import ensure_identity
 from p2p_diloco.swarm.records import fetch_progress, publish_checksum, run_validator
-from p2p_diloco.swarm.state import ServedUpdate, download_state
+from p2p_diloco.swarm.state import download_state
+from p2p_diloco.swarm.state_server import ServedUpdate
 
 PRIORITY = 1e6
 NOISE = 0.05

@@ -26,6 +26,7 @@ from hivemind.compression import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
 from packaging.version import Version
 
 # (class, name, where p2p_diloco uses it). Methods: overridden or called. Fields: read or written.
@@ -76,6 +77,7 @@ FIELDS = [
     (RSASignatureValidator, "_SIGNATURE_RE", "swarm/signing.py"),
     (RSAPrivateKey, "_private_key", "swarm/signing.py restores a key through __setstate__"),
     (P2P, "_client", "cli/doctor.py dials a peer with it"),
+    (MPFuture, "_active_pid", "tests/conftest.py reads it (fresh MPFuture locks once no forked child is left)"),
 ]
 # Public-named internals that swarm/patience.py replaces on live instances (the averager process's matchmaking):
 # not private by name, but nothing promises that hivemind keeps reading them where the patch expects.

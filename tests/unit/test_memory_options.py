@@ -14,7 +14,14 @@ import torch
 from p2p_diloco.build import build_local
 from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RunConfig, TrainConfig
 from p2p_diloco.core.pseudograd import pseudo_gradient
-from p2p_diloco.host_memory import return_freed_memory
+from p2p_diloco.host_memory import (
+    CPU_THRESHOLD,
+    DEFAULT_THRESHOLD,
+    return_freed_memory,
+    set_in_environment,
+    threshold_for,
+    trim_before_fork,
+)
 
 
 def _config(**inner: object) -> TrainConfig:
@@ -64,3 +71,24 @@ def test_the_allocator_setting_is_taken_on_linux_glibc() -> None:
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert return_freed_memory() is True
+
+
+def test_the_threshold_follows_the_device_and_the_environment_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CUDA step allocates on the GPU: the host keeps the full saving. A CPU step's temporaries stay cheap.
+    assert threshold_for("cuda") == DEFAULT_THRESHOLD and threshold_for("cpu") == CPU_THRESHOLD
+    assert DEFAULT_THRESHOLD < CPU_THRESHOLD
+    assert not set_in_environment({})
+    assert set_in_environment({"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert set_in_environment({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1:glibc.malloc.mmap_threshold=9"})
+    assert not set_in_environment({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"})
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert return_freed_memory() is False  # the operator's choice is left as it is
+
+
+def test_the_heap_is_trimmed_before_the_fork_on_glibc() -> None:
+    import platform
+    import sys
+
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert trim_before_fork() is True

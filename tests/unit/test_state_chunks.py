@@ -30,7 +30,8 @@ from p2p_diloco.swarm.checksum import (
 )
 from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin, read_chunk, state_chunk_map, write_chunk
 from p2p_diloco.swarm.partial import PartialStore
-from p2p_diloco.swarm.state import StateServer, check_state_metadata, download_state, make_state_metadata
+from p2p_diloco.swarm.state import check_state_metadata, download_state, make_state_metadata
+from p2p_diloco.swarm.state_server import StateServer
 
 FINGERPRINT = "abcdef0123456789"
 
@@ -436,3 +437,66 @@ def test_one_silent_donor_holds_a_manifest_fetch_only_a_grace_after_the_others_a
     assert time.monotonic() - began < 29.0  # bounded by the grace, with room for a loaded machine
     assert answers["honest"] == b"manifest of honest"
     assert answers["silent"].startswith("no manifest") and answers["empty"].startswith("no manifest")
+
+
+class _Serving:
+    """An averager that serves (hivemind's side left out): counts manifests handed out."""
+
+    client_mode = False
+
+    def __init__(self) -> None:
+        self.cfg = type("Cfg", (), {"run_id": "run"})()
+        self.fingerprint = "fp"
+        self.state_sharing_priority = 0.0
+        self.served, self.bumps = 0, 0
+        self.provider: Any = None
+
+    def is_alive(self) -> bool:
+        return True
+
+    def downloading(self) -> bool:
+        return False
+
+    def manifests_served(self) -> int:
+        return self.served
+
+    def bump_state_version(self) -> None:
+        self.bumps += 1
+
+    def set_state_provider(self, provider: Any) -> None:
+        self.provider = provider
+
+
+def test_a_round_update_a_joiner_asked_for_is_copied_and_served_until_the_outer_step() -> None:
+    from p2p_diloco.swarm.state_server import ServedUpdate
+
+    averager = _Serving()
+    server = StateServer(averager)  # type: ignore[arg-type]
+    params, momentum = [torch.arange(6, dtype=torch.float32)], [torch.zeros(6)]
+    mean = [torch.full((6,), 0.5)]  # the averager's buffer: the next round's pseudo-gradient overwrites it
+    # Nobody asked during the last two epochs: withdrawing the update keeps nothing.
+    server.publish(params, momentum, 2)
+    server.publish(params, momentum, 3, update=ServedUpdate("a" * 64, mean, None))
+    server.withdraw_update(1.0)
+    meta, tensors = averager.provider()
+    assert meta["u"] is None and len(tensors) == 2 and server.kept_updates == 0
+    # A joiner fetched our manifest of epoch 2 while we served it and finished as we stepped to 3: it needs the
+    # update 2 -> 3 during our next round. The update is copied before the buffer changes and served on, with
+    # the manifest of the same values.
+    server.publish(params, momentum, 2)
+    averager.served += 1
+    server.publish(params, momentum, 3, update=ServedUpdate("a" * 64, mean, None))
+    before = averager.provider()[0]["u"]
+    server.withdraw_update(1.0)
+    mean[0].fill_(9.0)  # the next round's pseudo-gradient
+    meta, tensors = averager.provider()
+    assert meta["u"] == before and meta["u"]["base"] == "a" * 64 and server.kept_updates == 1
+    assert torch.equal(tensors[2], torch.full((6,), 0.5)) and meta["s"]["ep"] == 3
+    server.withdraw_update(1.0)  # our own copy: nothing to withdraw until the outer step
+    assert averager.provider()[0]["u"] == before and server.kept_updates == 1
+    # The outer step changes the state: nothing is served until the next publish, the copy is gone.
+    server.withdraw(1.0)
+    with pytest.raises(RuntimeError):
+        averager.provider()
+    server.publish(params, momentum, 4, update=ServedUpdate("b" * 64, mean, None))
+    assert averager.provider()[0]["u"]["base"] == "b" * 64

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -295,6 +297,31 @@ def test_leaders_see_the_followers_own_expiration_and_turn_away_requests_they_an
     assert not timing._arrivals
 
 
+def test_a_client_asks_to_join_with_the_end_of_its_search_so_a_leader_a_moment_later_takes_it() -> None:
+    from types import SimpleNamespace
+
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    window, floor, now = 8.0, 3.0, 1000.0  # adaptive deadlines: the window grew, hivemind's minimum is the floor
+    deadline = now + 12.0
+    assert JoinTiming.scheduled_time(now, window, deadline, client_mode=False) == now + window
+    assert JoinTiming.scheduled_time(now, window, deadline, client_mode=True) == deadline
+
+    def request_expiration(scheduled: float, at: float) -> float:
+        # hivemind's own rule for a peer that never declares (a client), run on the values of such a peer
+        me = SimpleNamespace(min_matchmaking_time=floor, step_control=SimpleNamespace(scheduled_time=scheduled),
+                             potential_leaders=SimpleNamespace(declared_expiration_time=float("inf"),
+                                                               search_end_time=deadline - 2.0))
+        with mock.patch("hivemind.averaging.matchmaking.get_dht_time", return_value=at):
+            return Matchmaking.get_request_expiration_time(me)
+
+    leader_declared = now + 0.05 + window  # the only full peer started its round 50 ms after the client
+    # with the end of its first window, the client is turned away (BAD_EXPIRATION_TIME) until the leader's
+    # window ends; with the end of its search it is taken at once
+    assert request_expiration(now + window, now + 0.06) < leader_declared
+    assert request_expiration(JoinTiming.scheduled_time(now, window, deadline, True), now + 0.06) >= leader_declared
+
+
 def test_more_due_peers_than_one_group_holds_is_told_to_the_operator_once_per_50_rounds(
         caplog: pytest.LogCaptureFixture) -> None:
     from p2p_diloco.swarm.facade import Swarm
@@ -333,36 +360,64 @@ def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.
 
     from p2p_diloco.core.rounds import Outcome, RoundResult
     from p2p_diloco.swarm import averager
-    from p2p_diloco.swarm.averager import RoundAverager, _LeftBehind
+    from p2p_diloco.swarm.averager import RoundAverager
 
     monkeypatch.setattr(averager, "LEFT_BEHIND_POLL_S", 0.01)
 
     asked: list[int] = []
+    requests: list[int] = []
 
     def left_behind() -> bool:
         asked.append(1)
         return len(asked) >= 2  # the swarm moves on between the first and the second ask
 
-    looking = _Control(AveragingStage.LOOKING_FOR_GROUP)
-    with pytest.raises(_LeftBehind):
-        RoundAverager._wait(looking, 60.0, left_behind)  # type: ignore[arg-type]
-    assert looking.cancelled and len(asked) == 2
+    # Left behind: the averager process is asked once to stop its search, and its answer is the round's
+    # result; this thread never cancels the step (a group may have formed since it read the stage).
+    stopped = RoundResult(Outcome.SKIPPED, "the swarm left epoch 3 before a group formed", 3, left_behind=True)
+    looking = _Control(AveragingStage.LOOKING_FOR_GROUP, stopped, answer_after=20)
+    assert RoundAverager._wait(looking, 60.0, left_behind, give_up=lambda: requests.append(1)) is stopped  # type: ignore[arg-type]
+    assert not looking.cancelled and len(asked) == 2 and requests == [1]
+    # The process refused (its group had formed): the group's all-reduce is this round's result.
+    asked.clear(), requests.clear()
+    formed = RoundResult(Outcome.AVERAGED, "", 3)
+    joined = _Control(AveragingStage.LOOKING_FOR_GROUP, formed, answer_after=20)
+    assert RoundAverager._wait(joined, 60.0, left_behind, give_up=lambda: requests.append(1)) is formed  # type: ignore[arg-type]
+    assert not joined.cancelled and requests == [1]
     # Within the round's window nobody is asked: a record ahead may be an eager peer still averaging this epoch.
-    asked.clear()
+    asked.clear(), requests.clear()
     patient = _Control(AveragingStage.LOOKING_FOR_GROUP, RoundResult(Outcome.AVERAGED, "", 3), answer_after=50)
-    assert RoundAverager._wait(patient, 60.0, lambda: asked.append(1) or True, after_s=3600.0).averaged  # type: ignore[arg-type]
+    assert RoundAverager._wait(patient, 60.0, lambda: asked.append(1) or True, after_s=3600.0,  # type: ignore[arg-type]
+                               give_up=lambda: requests.append(1)).averaged
+    assert not requests
     assert not patient.cancelled and not asked
     # Once the all-reduce runs, the round is never abandoned: it is waited for until its result.
     done = RoundResult(Outcome.AVERAGED, "", 3)
     running = _Control(AveragingStage.RUNNING_ALLREDUCE, done, answer_after=3)
     asked.clear()
-    assert RoundAverager._wait(running, 60.0, lambda: True) is done  # type: ignore[arg-type]
-    assert not running.cancelled and not asked
+    assert RoundAverager._wait(running, 60.0, lambda: True, give_up=lambda: requests.append(1)) is done  # type: ignore[arg-type]
+    assert not running.cancelled and not asked and not requests
     # Without the question, a round waits its whole budget, in one wait.
     alone = _Control(AveragingStage.LOOKING_FOR_GROUP)
     with pytest.raises(TimeoutError):
         RoundAverager._wait(alone, 0.01, None)  # type: ignore[arg-type]
     assert not alone.cancelled
+
+
+def test_a_give_up_request_only_marks_a_running_search() -> None:
+    from hivemind.utils import MPFuture
+
+    from p2p_diloco.swarm.round_process import RoundProcessMixin
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        process = RoundProcessMixin()
+        idle = MPFuture()
+        await process._give_up_requested(idle)  # between searches: nothing to stop
+        process._search_give_up = asyncio.Event()
+        searching = MPFuture()
+        await process._give_up_requested(searching)
+        return idle.result(timeout=1), searching.result(timeout=1), process._search_give_up.is_set()
+
+    assert asyncio.run(scenario()) == (False, True, True)
 
 
 class _Peer:
