@@ -33,6 +33,7 @@ from p2p_diloco.core.delayed import StalenessPolicy, fold_scales, group_stats
 from p2p_diloco.core.lease import BufferLease
 from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX
 from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.core.robust import aggregate
 from p2p_diloco.core.round_driver import Collected, RoundDriver
 from p2p_diloco.core.rounds import Observation, Outcome, RoundPolicy, RoundReport, RoundResult
 from p2p_diloco.core.sync import Catchup, Digest, SyncPolicy
@@ -126,23 +127,28 @@ class SimGroup:
             stats = group_stats([m[2] for m in members], [m[6] if m[5] is not None else 0.0 for m in members],
                                 [m[3] if m[5] is not None else 0 for m in members], list(ids))
             scales = [fold_scales(m[2], m[6] if m[5] is not None else 0.0, stats) for m in members]
-            n = len(members)
-            fresh = [torch.zeros_like(t, dtype=torch.float32) for t in members[0][1]]
-            for m, (a, _) in zip(members, scales, strict=True):
-                for out, d in zip(fresh, m[1], strict=True):
-                    out.add_(d.float(), alpha=a / n)
+            fresh = _mean_of_scaled([m[1] for m in members], [a for a, _ in scales])
             stale = None
             if stats.has_stale:
-                stale = [torch.zeros_like(t) for t in fresh]
-                for m, (_, b) in zip(members, scales, strict=True):
-                    if m[5] is not None:
-                        for out, e in zip(stale, m[5], strict=True):
-                            out.add_(e.float(), alpha=b / n)
+                stale = _mean_of_scaled([m[5] if m[5] is not None else [torch.zeros_like(t) for t in fresh]
+                                         for m in members], [b if m[5] is not None else 0.0
+                                                            for m, (_, b) in zip(members, scales, strict=True)])
             for i in indices:
                 results[i] = RoundResult(Outcome.AVERAGED, "", epoch, with_stale=stale is not None,
                                          fresh_mean=[t.clone() for t in fresh],
                                          stale_term=None if stale is None else [t.clone() for t in stale], **base)
         return results
+
+
+def _mean_of_scaled(contributions: Sequence[Sequence[torch.Tensor]], scales: Sequence[float]) -> list[torch.Tensor]:
+    """The all-reduce's mean, in the swarm's arithmetic: each member scales its tensors in fp32, as
+    ``swarm.round_process`` does before sending (zeros where its scale is 0), and the reducers take
+    ``core.robust.aggregate``'s mean (in float64, rounded once to fp32). A plain running sum in fp32 rounds
+    differently by an ulp, and training amplifies an ulp to 1e-5 within four rounds, so the simulator and
+    the swarm would part ways on rounding alone."""
+    scaled = [[torch.zeros_like(t, dtype=torch.float32) if s == 0.0 else t.float().mul(s) for t in tensors]
+              for tensors, s in zip(contributions, scales, strict=True)]
+    return [aggregate([member[i] for member in scaled], "mean") for i in range(len(scaled[0]))]
 
 
 class SimWorker:
