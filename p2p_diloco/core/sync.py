@@ -6,9 +6,9 @@ Three ways, the cheapest that applies first (the choice is :class:`SyncPolicy`'s
   loaded a state while the swarm averaged it, then missed that round's group): fetch that round's update
   (half a state or less) and apply it to copies of this peer's anchors and momentum.
 * **download**: the swarm's verified state of ``min_epoch`` or newer, asked for again (at most
-  ``download_attempts`` times, within the one time limit) when an attempt failed while the swarm this peer
-  believes stepped on: the donors stopped serving the state being fetched because they moved to the next
-  round's, which is then the one to fetch.
+  ``download_attempts`` times, within the one time limit) when an attempt failed because the donors stepped
+  on (the swarm this peer believes moved, or a donor stopped serving the state midway): they moved to the next
+  round's state, which is then the one to fetch.
 * **missed-round step**: the swarm moved one round on while the state downloaded: apply the round it missed
   to the downloaded tensors. When the result fails its check, the downloaded tensors changed and are not the
   swarm's: download once more (the newer state), then give up.
@@ -91,10 +91,20 @@ class SyncPolicy:
             return SyncStep.LIVE_UPDATE
         return SyncStep.DOWNLOAD
 
-    def retry_download(self, before: int | None, after: int | None, time_left_s: float) -> bool:
-        """Ask again after a failed download only when the believed swarm stepped on meanwhile (the donors moved
-        to the next state), and time is left; otherwise a retry would meet the same donors in the same state."""
-        return time_left_s >= 1.0 and before is not None and after is not None and after > before
+    def retry_download(self, before: int | None, after: int | None, time_left_s: float,
+                       donors_stepped_on: bool = False) -> bool:
+        """Ask again after a failed download only when the donors moved to the next state meanwhile, and time
+        is left; otherwise a retry would meet the same donors in the same state. They moved on when the believed
+        swarm stepped on (``before`` < ``after``), or when ``donors_stepped_on``: a donor that handed out the
+        manifest stopped serving that state midway (the download's ``backed``). Why both: the swarm a peer
+        believes is read from records refreshed every few seconds, and donors of rounds shorter than that step
+        on between a joiner's manifest and its first chunk without any record showing it yet (seen: a donor
+        pair averaging a round a second, the joiner failing its download and training a round on its old
+        state). A donor that stops on purpose gains nothing: the retry asks for the same ``min_epoch`` (a
+        donor's claimed epoch raises nothing) within the same time limit, at most ``download_attempts`` times."""
+        if time_left_s < 1.0:
+            return False
+        return donors_stepped_on or (before is not None and after is not None and after > before)
 
     def after_download(self, state_epoch: int, swarm_epoch: int | None) -> SyncStep:
         """Step the download by the round the swarm took meanwhile, when it is exactly one round on."""
@@ -316,17 +326,20 @@ class Catchup:
                   trusted: frozenset[str] | None) -> DownloadedState | None:
         state = None
         for attempt in range(1, self.policy.download_attempts + 1):
-            before = self.port.swarm_epoch()
+            before, backed_before = self.port.swarm_epoch(), dict(backed)
             state = self.port.download(min_epoch, max(1.0, limit - (time.monotonic() - began)), trusted, backed)
             if state is not None:
                 return state
             left_s = limit - (time.monotonic() - began)
             after = self.port.swarm_epoch() if left_s >= 1.0 else None  # no time left: no read
-            if not self.policy.retry_download(before, after, left_s):
+            stepped_on = backed != backed_before
+            if not self.policy.retry_download(before, after, left_s, donors_stepped_on=stepped_on):
                 return None
-            logger.info("The swarm stepped from epoch %d to %d while we downloaded (attempt %d of %d); asking "
-                        "for its new state", before, after, attempt, self.policy.download_attempts)
-            min_epoch = max(min_epoch, after)  # type: ignore[type-var]  # retry_download: not None
+            logger.info("The %s stepped on while we downloaded (attempt %d of %d, believed epoch %s -> %s); asking "
+                        "for its new state", "donors" if stepped_on else "swarm", attempt,
+                        self.policy.download_attempts, before, after)
+            if before is not None and after is not None and after > before:
+                min_epoch = max(min_epoch, after)
         return state
 
     def _live_update(self, began: float, limit: float) -> bool:

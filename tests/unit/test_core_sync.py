@@ -88,6 +88,9 @@ class FakeSyncPort:
     calls: list[tuple] = field(default_factory=list)
     watched: OuterState | None = None
     """The live state; what its epoch was at each fetch or download goes into ``calls``."""
+    backer: str | None = "b"
+    """The donor a download finds serving a state of ``min_epoch`` and stopping midway (``backed``); ``None``:
+    no donor served one (nobody is serving it yet)."""
 
     def swarm_epoch(self) -> int | None:
         self.calls.append(("swarm_epoch",))
@@ -115,7 +118,8 @@ class FakeSyncPort:
 
     def download(self, min_epoch, timeout, trusted, backed):  # noqa: ANN001, ANN201
         self.calls.append(("download", min_epoch, self.watched.epoch if self.watched else None))
-        backed["b"] = min_epoch
+        if self.backer is not None:
+            backed[self.backer] = min_epoch
         return self.downloads.pop(0) if self.downloads else None
 
     def received(self, ok: bool) -> None:
@@ -177,6 +181,10 @@ def test_policy_retries_a_download_only_when_the_swarm_stepped_on_and_time_is_le
     assert not policy.retry_download(4, 4, 30.0)  # the same donors in the same state
     assert not policy.retry_download(None, 5, 30.0) and not policy.retry_download(4, None, 30.0)
     assert not policy.retry_download(4, 5, 0.5)  # no time left
+    # donors that stopped serving the state midway moved on before any record said so
+    assert policy.retry_download(4, 4, 30.0, donors_stepped_on=True)
+    assert policy.retry_download(None, None, 30.0, donors_stepped_on=True)
+    assert not policy.retry_download(4, 4, 0.5, donors_stepped_on=True)
 
 
 def test_policy_at_join_stops_waits_or_retries() -> None:
@@ -264,7 +272,9 @@ def test_a_failed_download_keeps_our_state_and_serves_it_again() -> None:
     before = state.anchors[0].clone()
     assert not catchup.run(7)
     assert state.epoch == 3 and torch.equal(state.anchors[0], before)
-    assert _names(port) == ["syncing", "download", "received", "unbacked", "resume_serving"]
+    # donor b stopped serving midway: asked once more (b stopped again, nothing new: no third try)
+    assert _names(port) == ["syncing", "download", "download", "received", "unbacked", "resume_serving"]
+    assert [c[1] for c in port.calls if c[0] == "download"] == [7, 7]  # a donor's claim raises no epoch
     assert ("unbacked", 7, {"b": 7}) in port.calls  # whose claims of epoch 7 go unbacked
     assert ("received", False) in port.calls
 
@@ -276,6 +286,14 @@ def test_a_download_is_asked_again_while_the_swarm_steps_on_and_at_most_so_often
     asked = [c[1] for c in port.calls if c[0] == "download"]
     assert asked == [7, 8, 9]  # each time for the epoch the swarm stepped to, and DOWNLOAD_ATTEMPTS in all
     assert state.epoch == 3
+
+
+def test_a_download_whose_donors_stepped_on_before_any_record_said_so_is_asked_again_and_loaded() -> None:
+    truth, _ = _truth(7)
+    port = FakeSyncPort(epochs=[7, 7, 7], downloads=[None, _download_of(truth)])  # the records never moved
+    catchup, state, _ = _catchup(port, 3)
+    assert catchup.run(7) and state.epoch == 7
+    assert [c[1] for c in port.calls if c[0] == "download"] == [7, 7]
 
 
 def test_a_retried_download_that_arrives_is_loaded() -> None:
@@ -350,7 +368,7 @@ def test_eager_peers_only_download() -> None:
 
 def test_join_waits_for_a_believed_donor_then_loads() -> None:
     truth, _ = _truth(5)
-    port = FakeSyncPort(epochs=[5], downloads=[None, _download_of(truth)])
+    port = FakeSyncPort(epochs=[5], downloads=[None, _download_of(truth)], backer=None)  # none serves it yet
     catchup, state, slept = _catchup(port, 0)
     assert catchup.join(5) == 5 and state.epoch == 5
     assert slept == [5.0]
