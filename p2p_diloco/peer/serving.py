@@ -38,6 +38,8 @@ class StateServing:
         """The manifest served before a catch-up began (served again if the catch-up fails)."""
         self.writer: threading.Thread | None = None
         """A checkpoint being written from the live anchors (``peer.resume.CheckpointWriter``)."""
+        self.voted_epoch: int | None = None
+        """The epoch whose checksum this peer published last (``serve(checksum=True)``), None before any."""
         self._zeros: list[torch.Tensor] | None = None
 
     def wait_writer(self) -> None:
@@ -77,6 +79,16 @@ class StateServing:
             served = ServedUpdate(self.base_sha, update.fresh_mean, update.stale_term)
         self.serve(checksum=not eager, update=served)
 
+    def serve_loaded(self, manifest: TensorManifest | None) -> None:
+        """Serve a verified state a catch-up just loaded (``manifest``: its anchors', from the download).
+
+        Its checksum is published only when it replaces a state of the epoch whose checksum this peer published
+        last: that vote named parameters this peer no longer holds. Why: peers that trust this one weigh its vote
+        above any donor's. In a mixed NAT run, a peer resynced to the majority's state of the epoch it had voted
+        for, and a peer whose one trusted peer it was refused the majority's state on the stale vote for the rest
+        of the run. Any other loaded state gets no vote (its epoch is the swarm's, not one this peer averaged)."""
+        self.serve(checksum=self.voted_epoch is not None and self.voted_epoch == self.state.epoch, manifest=manifest)
+
     def serve(self, *, checksum: bool, manifest: TensorManifest | None = None,
               update: ServedUpdate | None = None) -> None:
         """Serve the current anchors and momentum to joiners (and publish their checksum if asked). The anchors
@@ -88,6 +100,8 @@ class StateServing:
         with self.view.network():
             self.state_sha = self.swarm.serve(self.state.anchors, momentum, self.state.epoch, checksum=checksum,
                                               manifest=self.manifest, update=update)
+        if checksum:
+            self.voted_epoch = self.state.epoch
 
     def momentum(self) -> list[torch.Tensor]:
         """The outer momentum as served and checksummed: zeros where the optimizer keeps none (before the

@@ -46,7 +46,7 @@ class SwarmSync:
         self.serving.serve_known()
 
     def serve(self, manifest: TensorManifest | None) -> None:
-        self.serving.serve(checksum=False, manifest=manifest)
+        self.serving.serve_loaded(manifest)
 
     def base_digest(self) -> str:
         return self.serving.base_sha or self.serving.state_digest()

@@ -54,6 +54,8 @@ class ScriptedSwarm:
     buffers: list[torch.Tensor] | None = None
     """What ``fresh_buffers`` offers (the averager's shared buffers); None: a round still holds them."""
     withdrawn_updates: int = 0
+    served: list[tuple[int, bool]] = field(default_factory=list)
+    """``(epoch, checksum published)`` of every ``serve``."""
 
     def records(self) -> list[SimpleNamespace]:
         return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0),
@@ -82,6 +84,7 @@ class ScriptedSwarm:
         self.withdrawn_updates += 1
 
     def serve(self, anchors, momentum, epoch, *, checksum, manifest=None, update=None) -> str:  # noqa: ANN001
+        self.served.append((epoch, checksum))
         return state_sha256(anchors, momentum, params_sha=manifest.sha if manifest is not None else None)
 
     def withdraw(self) -> None:
@@ -507,3 +510,26 @@ def test_port_leases_the_averagers_shared_buffers_and_withdraws_the_served_updat
     port.eager = True  # the overlap copies into the buffers itself
     swarm.buffers = [torch.zeros(4)]
     assert port.lease() is None
+
+
+def test_port_a_resync_to_the_epoch_it_voted_for_replaces_its_vote_and_no_other_load_votes() -> None:
+    # A peer that published the checksum of epoch 4, then found itself outvoted and loaded the majority's state
+    # of epoch 4, no longer holds what it voted for: peers that trust it must see the state it holds (a mixed
+    # NAT run: the stale vote kept a peer that trusted only this one off the majority's state for good).
+    swarm = ScriptedSwarm(claims={"me": 4, "a": 4, "b": 4})
+    port, state = _port(swarm)
+    state.epoch = 4
+    port.published(4)
+    assert swarm.served == [(4, True)]
+
+    def donor(epoch: int) -> SimpleNamespace:
+        return SimpleNamespace(params=[torch.ones(4)], opt_tensors=[torch.zeros(4)], epoch=epoch, donor="a",
+                               delivered={"a": 1}, params_sha256=params_sha256([torch.ones(4)]),
+                               params_manifest=tensor_manifest([torch.ones(4)]))
+
+    swarm.donor = donor(4)
+    assert port.resync(4) and state.epoch == 4
+    assert swarm.served[-1] == (4, True)  # the vote now names the state it holds
+    swarm.donor, swarm.claims = donor(6), {"me": 4, "a": 6, "b": 6}
+    assert port.resync(6) and state.epoch == 6
+    assert swarm.served[-1] == (6, False)  # a state of an epoch it never voted for gets no vote
