@@ -208,7 +208,11 @@ class SwarmConfig:
     next_chunk_timeout_s: float = 30.0
     """A groupmate silent for this long during the all-reduce or a state download is treated as failed,
     0.1-3600 s. Must cover one part (``part_size_bytes``) on the slowest link plus stalls: 512 KiB at 1 Mbit/s
-    takes about 4 s. Too short bans slow but healthy peers; too long delays fault detection."""
+    takes about 4 s. Too short bans slow but healthy peers; too long delays fault detection. A member that dies
+    mid-round can cost up to about 5x this before the survivors report the round partial: a dead reducer 2x in
+    the all-reduce, then 2x again in the completion check, plus 1x for a groupmate that reached the check last.
+    Keep ``allreduce_timeout_s`` above that, or such a round is reported at the deadline instead (still
+    skipped, its work kept, but without naming the peer that failed)."""
 
     part_size_bytes: int = 2**19
     """All-reduce messages carry parts of at most this many bytes, 1 KiB-64 MiB. hivemind's 512 KiB default

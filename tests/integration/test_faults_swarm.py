@@ -40,14 +40,21 @@ def _own_weight(row: dict, peer_id: str) -> float:
 def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     try:
+        # Every fault below is keyed to an epoch all three must average together, so all three must be in
+        # the group of epoch 0. Their processes start up to seconds apart, and a round of 10 FAST steps is
+        # about a second: the first peer to reach matchmaking led a group of those whose progress records it
+        # had read, and the last one to start missed epoch 0, then epoch 1 while it downloaded the state (a
+        # CI run: c's NaN never fired). A slow first round (0.5 s a step) lets every record be read and
+        # every peer arrive within the matchmaking window (6 s here: up to 1.7 s apart seen on this machine);
+        # it writes no fault event.
+        start = "slow_steps@0=0.5,"
+        common = ("--run-id", "f1", "--matchmaking-time-s", "6")
         procs = {
             # a gets one round of slack: it must reach epoch 5 even if one round is lost to chance
-            "a": start_peer(tmp_path, "a", maddr, "--run-id", "f1", "--max-rounds", "8",
-                            faults="slow_sender@3=2"),
-            "b": start_peer(tmp_path, "b", maddr, "--run-id", "f1", "--max-rounds", "7",
-                            faults="fail_confirm@2,kill_before_allreduce@5"),
-            "c": start_peer(tmp_path, "c", maddr, "--run-id", "f1", "--max-rounds", "7",
-                            faults="nan_input@1"),
+            "a": start_peer(tmp_path, "a", maddr, *common, "--max-rounds", "8", faults=start + "slow_sender@3=2"),
+            "b": start_peer(tmp_path, "b", maddr, *common, "--max-rounds", "7",
+                            faults=start + "fail_confirm@2,kill_before_allreduce@5"),
+            "c": start_peer(tmp_path, "c", maddr, *common, "--max-rounds", "7", faults=start + "nan_input@1"),
         }
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
         kill_tree(boot)  # the bootstrap node is lost for good, its DHT process and p2p daemon included
