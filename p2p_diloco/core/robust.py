@@ -182,6 +182,12 @@ class PartResult:
     excluded: tuple[int, ...] = ()
     """Sender indices the norm screen left out of this part only: its part is too small
     (``MIN_BANNING_VALUES``) for its norm to say anything about the sender, so nobody is banned on it."""
+    dropped: tuple[int, ...] = ()
+    """Sender indices the norm screen judged on a part large enough (``MIN_BANNING_VALUES``) but did not ban:
+    this reducer has no own part to measure them by, or they are not over its own part. The reducer leaves
+    them out of its later parts of the round too: past its first part such a sender has spent the norm it
+    announced, its later parts are scaled down to about zero and pass the screen, and counted as zeros they
+    would dilute the mean. Nobody bans them for the run on this."""
 
 
 MIN_BANNING_VALUES = 64
@@ -234,23 +240,25 @@ def reduce_part(
     vectors, weights = [parts[i] for i in order], [claimed[i] for i in order]
     flagged = tuple(order[p] for p in norm_outliers(vectors, norm_factor, weights=weights))
     anchor = order.index(own) if own in parts and bool(parts[own].any()) else None
-    if anchor is not None and parts[order[0]].numel() >= MIN_BANNING_VALUES:
+    judged = parts[order[0]].numel() >= MIN_BANNING_VALUES
+    if anchor is not None and judged:
         # banned: over the median AND over our own part (the median alone is a head count Sybils can skew)
         outliers = tuple(order[p] for p in norm_outliers(vectors, norm_factor, weights=weights, anchor=anchor))
     else:
-        # no honest yardstick, or too few values to judge a sender by: leave them out of this part, ban only
-        # a non-zero part sent under a zero weight (a contradiction, not a statistical judgement)
+        # no honest yardstick, or too few values to judge a sender by: leave them out, ban only a non-zero
+        # part sent under a zero weight (a contradiction, not a statistical judgement)
         outliers = tuple(i for i in flagged if not float(claimed[i]) > 0)
-    excluded = tuple(i for i in flagged if i not in outliers)
+    rest = tuple(i for i in flagged if i not in outliers)
+    dropped, excluded = (rest, ()) if judged else ((), rest)
     kept = [i for i in order if i not in flagged]
     if not kept:
-        return PartResult(None, outliers, "no acceptable contribution", excluded)
+        return PartResult(None, outliers, "no acceptable contribution", excluded, dropped)
     combined = aggregate([parts[i] for i in kept], method)
     scale = rescale_factor(sender_weights, kept)
     if scale is None:
-        return PartResult(None, outliers, "every sender of fresh work was rejected", excluded)
+        return PartResult(None, outliers, "every sender of fresh work was rejected", excluded, dropped)
     value = combined if scale == 1.0 else (combined.double() * scale).to(combined.dtype)
-    return PartResult(value, outliers, excluded=excluded)
+    return PartResult(value, outliers, excluded=excluded, dropped=dropped)
 
 
 def part_size_values(part_size_bytes: int, bits_per_value: float) -> int:
@@ -290,9 +298,10 @@ class GroupReduction:
 
     Each sender's tensors are pre-scaled by ``n * w_k / W``, split into parts as hivemind does, clipped to the
     norm the sender announces (its true norm, clipped by ``core.bounds.clip_claims`` like the swarm's), and
-    each part is reduced by its owner with :func:`reduce_part`. A sender the norm screen drops is dropped from that
+    each part is reduced by its owner with :func:`reduce_part`. A sender the norm screen bans is dropped from that
     reducer's later parts of the round and from all its parts in later rounds (the averager bans it for the
-    run); other reducers keep it until their own screen catches it. Simplification: the group never changes,
+    run); one it judged without banning (``PartResult.dropped``), from that reducer's later parts of the round;
+    other reducers keep it until their own screen catches it. Simplification: the group never changes,
     while in the swarm a peer that banned the sender also refuses to group with it when it leads matchmaking.
     Reducers own equal spans (hivemind's balance for equal bandwidths).
 
@@ -337,12 +346,15 @@ class GroupReduction:
                     parts[k][index], spent[owner][k], FLOAT_SLACK * scales[k] * claims[k]
                 )
         # Within the round a reducer drops a rejected sender from its later parts, itself included; only
-        # others are banned for the run (an averager never bans itself).
+        # others are banned for the run (an averager never bans itself). A sender judged but not banned
+        # (PartResult.dropped) is left out of the reducer's later parts of this round only.
         rejected = [dict(banned) for banned in self.banned]
+        dropped: list[set[int]] = [set() for _ in range(self.members)]
         reduced, self.new_bans, self.faults = [], [], []
         for index, owner in enumerate(owners):
             result = reduce_part(
-                {k: parts[k][index] for k in range(self.members) if k not in rejected[owner]},
+                {k: parts[k][index] for k in range(self.members)
+                 if k not in rejected[owner] and k not in dropped[owner]},
                 weights,
                 method=self.method,
                 norm_factor=self.norm_factor,
@@ -352,6 +364,7 @@ class GroupReduction:
                 rejected[owner][sender] = (
                     f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
                 )
+            dropped[owner].update(result.dropped)
             if result.fault is not None:
                 self.faults.append(f"part {index}: {result.fault}")
             reduced.append(result.value if result.value is not None else torch.zeros_like(parts[0][index]))

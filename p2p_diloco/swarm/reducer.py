@@ -11,7 +11,9 @@ the part is reduced) and only when all have arrived:
    they would exceed the norm it announced (``core.bounds``: so its groupmates can bound our output);
 2. drops parts whose weight-normalised L2 norm is more than ``norm_factor`` times the median
    (``core.robust.norm_outliers``); the sender is rejected for the run only when its part is also that far
-   above our own part, and has at least ``core.robust.MIN_BANNING_VALUES`` values;
+   above our own part, and has at least ``core.robust.MIN_BANNING_VALUES`` values; a sender dropped from a
+   part that large without a ban is left out of this reducer's later parts of the round
+   (``core.robust.PartResult.dropped``);
 3. combines the rest with ``mean``, ``trimmed-mean`` or ``centered-clip``, and rescales so that the result is
    the weighted mean over the accepted senders (``core.robust.reduce_part`` does 2 and 3).
 
@@ -98,6 +100,8 @@ class RobustPartReducer(TensorPartReducer):
             i: "banned earlier in this run" for i, peer in enumerate(sender_ids) if peer in banned
         }
         self.reduce_faults: list[str] = []
+        self.dropped: set[int] = set()
+        """Senders left out of this reducer's later parts of the round without a ban (``PartResult.dropped``)."""
         self._received: dict[int, torch.Tensor] = {}
         super().__init__(part_shapes, len(sender_ids))
 
@@ -165,7 +169,7 @@ class RobustPartReducer(TensorPartReducer):
     def check_current_part_finished(self) -> None:
         if self.current_part_accumulated_from < self.num_current_senders:
             return
-        accepted = {i: t for i, t in self._received.items() if i not in self.rejections}
+        accepted = {i: t for i, t in self._received.items() if i not in self.rejections and i not in self.dropped}
         # The same function the simulator reduces with (core.robust.GroupReduction), so its losses are ours.
         try:
             result = reduce_part(accepted, self.sender_weights, method=self.method, norm_factor=self.norm_factor,
@@ -175,6 +179,7 @@ class RobustPartReducer(TensorPartReducer):
             result = PartResult(None, (), f"reduction failed: {e!r}")
         for index in result.outliers:
             self.rejections[index] = f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
+        self.dropped.update(result.dropped)
         if result.fault is not None:
             self.reduce_faults.append(f"part {self.current_part_index}: {result.fault}")
         value = result.value

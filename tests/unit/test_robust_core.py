@@ -193,6 +193,50 @@ def test_group_reduction_is_the_weighted_mean_and_bans_a_caught_attacker_for_goo
             torch.testing.assert_close(ours, exact)
 
 
+def test_a_sender_judged_but_not_banned_is_left_out_of_the_reducers_later_parts() -> None:
+    # A reducer without a part of its own (own=None) cannot ban, but a part of 64 values or more says enough to
+    # leave the sender out of the rest of the round: past its first part, an attacker has spent the norm it
+    # announced and its later parts arrive scaled down to about zero, which counted would dilute the mean.
+    shape = torch.Size([64])
+
+    async def run() -> tuple[list[torch.Tensor], dict, set[int]]:
+        reducer = RobustPartReducer([shape, shape], torch.float32, ["a", "b", "c", "x"], [1.0] * 4,
+                                    method="mean", norm_factor=20.0, own=None)
+        sent = {0: [1.0, 1.0], 1: [2.0, 2.0], 2: [3.0, 3.0], 3: [1e6, 1e-9]}  # x: huge, then spent
+
+        async def sender(i: int) -> list[torch.Tensor]:
+            return [await reducer.accumulate_part(i, part, torch.full(shape, value))
+                    for part, value in enumerate(sent[i])]
+
+        results = await asyncio.gather(*(sender(i) for i in range(4)))
+        assert all(all(map(torch.equal, r, results[0])) for r in results)
+        return results[0], reducer.rejected(), reducer.dropped
+
+    (first, second), rejected, dropped = asyncio.run(run())
+    torch.testing.assert_close(first, torch.full(shape, 2.0))
+    torch.testing.assert_close(second, torch.full(shape, 2.0))  # not (1 + 2 + 3 + 0) / 4
+    assert rejected == {} and dropped == {3}  # left out, banned by nobody
+
+    # The simulator reduces alike: a reducer whose own part is zero (nothing to measure by) leaves the x1000
+    # sender out of all its parts, clipped ones included, and bans nobody.
+    from p2p_diloco.core.robust import GroupReduction, assign_parts, split_parts
+
+    data = [[v.reshape(8, 80)] for v in _honest(5, dim=640, seed=3)]
+    data[0] = [torch.zeros(8, 80)]
+    data[4] = [1000.0 * data[4][0]]
+    reduction = GroupReduction(5, method="mean", norm_factor=20.0, values_per_part=64)
+    got = split_parts(reduction.reduce(data, [1.0] * 5), 64)
+    honest = split_parts([sum(d[0] for d in data[:4]) / 4], 64)
+    owners = assign_parts([p.numel() for p in got], [1.0] * 5)
+    assert owners.count(0) >= 2
+    for owner, ours, exact in zip(owners, got, honest, strict=True):
+        if owner in (1, 2, 3):  # their own parts anchor the screen: they ban sender 4
+            torch.testing.assert_close(ours, exact)
+        if owner == 0:  # no anchor: no ban, but out of every part of reducer 0
+            torch.testing.assert_close(ours, exact)
+    assert sorted((o, s) for o, s, _ in reduction.new_bans) == [(1, 4), (2, 4), (3, 4)]
+
+
 def test_simulator_defaults_are_the_swarms() -> None:
     from p2p_diloco.simulate import SimConfig
     from p2p_diloco.swarm import SwarmConfig
