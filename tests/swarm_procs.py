@@ -27,6 +27,16 @@ FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "-
         "--eval-batches", "2", "--eval-every", "1", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--local-steps", "10", "--min-local-steps", "10"]
 
 
+START_TOGETHER = "slow_steps@0=0.4"
+"""``P2P_DILOCO_FAULTS`` entry for peers a test starts at once and needs in one group from epoch 0.
+
+Their processes come up 1-2 s apart, and a round of 10 FAST steps takes about a second: the first peer up read
+no record of the others and applied its own round alone ("no other peer visible"), or led a group of those
+whose records it had read, formed early, and the last one up missed epoch 0 and then the next while it
+downloaded the state (seen in CI rehearsals: faults, kill-and-resume, port-forwarded and unreachable home
+peers). 0.4 s after each step of epoch 0 (4 s in all) lets every record be read before anyone matchmakes; it
+writes no fault event, and later epochs run at full speed."""
+
 # Round outcomes after which a peer holds the swarm's parameters for the round's new epoch.
 SYNCED = tuple(o.value for o in Outcome if o.synced)
 # The longest a FAST round may take: matchmaking_timeout_s + the followers' patience (2 * request_timeout_s)

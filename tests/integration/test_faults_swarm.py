@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from swarm_procs import (
+    START_TOGETHER,
     SYNCED,
     assert_loss_fell,
     check_rounds,
@@ -41,13 +42,9 @@ def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> N
     boot, maddr = start_bootstrap(tmp_path)
     try:
         # Every fault below is keyed to an epoch all three must average together, so all three must be in
-        # the group of epoch 0. Their processes start up to seconds apart, and a round of 10 FAST steps is
-        # about a second: the first peer to reach matchmaking led a group of those whose progress records it
-        # had read, and the last one to start missed epoch 0, then epoch 1 while it downloaded the state (a
-        # CI run: c's NaN never fired). A slow first round (0.5 s a step) lets every record be read and
-        # every peer arrive within the matchmaking window (6 s here: up to 1.7 s apart seen on this machine);
-        # it writes no fault event.
-        start = "slow_steps@0=0.5,"
+        # the group of epoch 0 (START_TOGETHER; a CI run without it: c missed epochs 0 and 1, and its NaN never
+        # fired), and arrive within the matchmaking window: 6 s here, peers up to 1.7 s apart seen here.
+        start = START_TOGETHER + ","
         common = ("--run-id", "f1", "--matchmaking-time-s", "6")
         procs = {
             # a gets one round of slack: it must reach epoch 5 even if one round is lost to chance
