@@ -39,6 +39,12 @@ class Peer:
             return "<no log>"
 
 
+def _worth_showing(line: str) -> bool:
+    """Warnings and errors, hivemind's averaging steps (matchmaking, all-reduce: DEBUG, see ``Swarm.spawn``)
+    and our own log lines: about ten lines per peer in a round that went well."""
+    return any(mark in line for mark in ("WARN", "ERROR", "hivemind.averaging", "p2p_diloco."))
+
+
 class Swarm:
     """A set of peer processes sharing one bootstrap address, released together by a 'go' file."""
 
@@ -60,7 +66,9 @@ class Swarm:
         spec_path = self.workdir / f"{name}.spec.json"
         spec_path.write_text(json.dumps(spec))
         log_path = self.workdir / f"{name}.log"
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+        # hivemind at DEBUG: its matchmaking lines (who asked whom, who was accepted, who assembled) are what
+        # tells a lost round apart when a test fails on a loaded machine (see ``warnings``)
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL="DEBUG")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(PEER_SCRIPT), str(spec_path)],
@@ -107,11 +115,19 @@ class Swarm:
         return json.loads(path.read_text())
 
     def warnings(self) -> str:
-        """Every peer's warnings and errors (hivemind's and ours), for the message of a failed assertion."""
+        """For the message of a failed assertion: every peer's warnings and errors (hivemind's and ours), its
+        matchmaking steps, and the outcome and reason of each peer that wrote a result."""
         lines = []
         for peer in self.peers:
             text = peer.log_tail(10**7)
-            lines += [f"{peer.name}: {line}" for line in text.splitlines() if "WARN" in line or "ERROR" in line]
+            lines += [f"{peer.name}: {line[:300]}" for line in text.splitlines() if _worth_showing(line)]
+        for peer in self.peers:
+            path = Path(peer.spec["out_path"])
+            if path.exists():
+                out = json.loads(path.read_text())
+                lines.append(
+                    f"{peer.name} ({out.get('peer_id', '?')[-8:]}): {out.get('outcome')}: {out.get('reason')}"
+                )
         return "\n".join(lines)
 
     def stop(self) -> None:
