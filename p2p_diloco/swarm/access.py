@@ -123,11 +123,15 @@ class AccessControlMixin:
             logger.info("Not grouping with %s: %s", context.remote_id, mismatch)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
+        began = False
         with self._join_timing.leader_view(request) as view:
             async for response in super().rpc_join_group(view, context):  # type: ignore[misc]
                 if response.code == averaging_pb2.ACCEPTED:
                     self._early.follower_joined()
+                began = response.code == averaging_pb2.BEGIN_ALLREDUCE
                 yield response
+        if began:  # hivemind's handler is done (the follower is no longer pending): keep its stream open
+            await self._join_timing.hold_until_follower_closes()
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext

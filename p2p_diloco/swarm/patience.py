@@ -23,6 +23,16 @@ the hivemind objects of one averager process:
   entry in a tight loop for as long as the step still waits.
 - A leader turns away a join request that waited for its lock longer than half the follower's wait for an
   answer. That follower may have left, and accepting it would count in a member that is gone.
+- A leader keeps a follower's join stream open after BEGIN_ALLREDUCE until the follower closes it
+  (``hold_until_follower_closes``). hivemind closes a handler's stream as soon as its last message is written,
+  and the p2p daemon pipes a stream with two copies that each reset it when the other side errs
+  (``doStreamPipe``): closed right behind BEGIN_ALLREDUCE, the stream was reset while that message was still
+  in flight, and a follower whose daemon had not yet read it saw the stream end (``StopAsyncIteration``),
+  searched on and found no group, while the leader counted it in. Seen on loopback with 3 peers, in a CI run
+  and in 1 of 2 runs of the single-round swarm tests: the leader's daemon logged "stream reset" in the
+  millisecond it assembled, every other member's all-reduce waited ``next_chunk_timeout_s`` for that follower,
+  and the round was lost for the whole group. The follower reads exactly two messages and then closes its
+  end, so the hold costs an idle coroutine for a few milliseconds.
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ class JoinTiming:
 
     def __init__(self, request_timeout: float):
         self.patience = PATIENCE_PER_REQUEST_TIMEOUT * request_timeout
+        self.hold_s = self.patience
+        """Longest a leader holds a follower's join stream open after BEGIN_ALLREDUCE (module docstring)."""
         self.answer_within = ANSWER_FRACTION * request_timeout
         self._arrivals: dict[int, float] = {}  # id of a join request under admission -> when it arrived
 
@@ -76,6 +88,14 @@ class JoinTiming:
             leaders, leaders._declare_averager_periodically
         )
         matchmaking._join_timing = self
+
+    async def hold_until_follower_closes(self) -> None:
+        """Return when the follower closed its join stream, or after ``hold_s`` (a follower that died).
+
+        The close arrives as a cancellation: hivemind's stream handler cancels the handler task once the
+        remote end is closed. Nothing else waits for this: hivemind's matchmaking counts a follower as
+        discarded when its ``rpc_join_group`` ends, before this hold begins."""
+        await asyncio.sleep(self.hold_s)  # bounded; ended early by the cancellation
 
     def deadline(self, search_seconds: float) -> float:
         """DHT-time deadline of a step whose search lasts ``search_seconds`` from now."""

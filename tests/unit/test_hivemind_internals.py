@@ -215,3 +215,14 @@ def test_a_peer_that_steps_back_declares_late_and_so_follows() -> None:
     admit = inspect.getsource(Matchmaking._check_reasons_to_reject)
     assert re.search(r"declared_expiration_time\s*>\s*\(?request\.expiration", admit), (
         "leaders no longer turn away followers whose declaration ends before theirs")
+
+
+def test_a_follower_closes_its_join_stream_and_a_closed_stream_cancels_its_handler() -> None:
+    """``swarm/patience.py`` (``hold_until_follower_closes``) holds a leader's join stream open after
+    BEGIN_ALLREDUCE and relies on two behaviours to end the hold early: the follower closes its stream once it
+    has its answer, and hivemind's server side cancels a stream's handler when the remote end closes."""
+    follower = inspect.getsource(Matchmaking._request_join_group)
+    assert re.search(r"finally:[\s\S]*await stream\.aclose\(\)", follower), "followers no longer close the stream"
+    server = inspect.getsource(P2P._add_protobuf_stream_handler)
+    assert "except asyncio.IncompleteReadError" in server and "processing_task.cancel()" in server, (
+        "a closed stream no longer cancels its handler: the leader would hold each join stream for hold_s")
