@@ -132,6 +132,10 @@ class RobustPartReducer(TensorPartReducer):
             )
             if self.finished.is_set():
                 raise BannedException("the reducer finished before this part arrived")
+        if self.finished.is_set():
+            # finalize() cancelled the current part's future: counting this part would await it, or call
+            # set_result on it as the part's last sender (InvalidStateError out of the round)
+            raise BannedException("the reducer finished before this part arrived")
         if self.sender_failed_after[sender_index] != math.inf:
             raise BannedException(f"sender {sender_index} was banned in background")
         if part_index != self.current_part_index:

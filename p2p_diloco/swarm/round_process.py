@@ -204,7 +204,7 @@ class RoundProcessMixin:
                 return
             step.set_result(result)
         except Exception as e:
-            logger.warning("Averaging round failed: %r", e)
+            logger.warning("Averaging round failed: %r", e, exc_info=True)  # unexpected here: where from
             if not step.done():
                 step.set_result(RoundResult(Outcome.SKIPPED, f"{type(e).__name__}: {e}",
                                             wait_seconds=time.monotonic() - began))

@@ -326,3 +326,28 @@ def test_sybils_sending_tiny_parts_cannot_get_an_honest_sender_banned() -> None:
     # a scaled attack far above the reducer's own part is still banned
     _, rejected = _reduce([*honest, torch.full((64,), 100.0), *sybils[:2]], [1.0] * 5)
     assert list(rejected) == ["peer2"]
+
+
+def test_a_part_that_reaches_a_finalized_reducer_is_refused_not_counted() -> None:
+    """A part that arrives after the all-reduce finalized the reducer (which cancels the current part's future)
+    was counted: its sender then awaited the cancelled future (``CancelledError``), or, as the part's last
+    sender, called ``set_result`` on it (``InvalidStateError``, the likely end of a survivor's round that named
+    no group). Both of our reducers now refuse it, as hivemind refuses a part of a later index."""
+    from hivemind.averaging.partition import BannedException
+
+    from p2p_diloco.swarm.completion import OwnerPickReducer
+
+    async def run() -> list[str]:
+        robust = RobustPartReducer([torch.Size([4])], torch.float32, ["peer0", "peer1"], [1.0, 1.0],
+                                   method="mean", norm_factor=20.0, own=0)
+        check = OwnerPickReducer([torch.Size([4])], torch.zeros(4), [0, 1])
+        refused = []
+        for reducer in (robust, check):
+            reducer.finalize()  # the all-reduce ended (a member died): the current part's future is cancelled
+            try:
+                await reducer.accumulate_part(1, 0, torch.ones(4))
+            except BannedException as e:
+                refused.append(str(e))
+        return refused
+
+    assert asyncio.run(run()) == ["the reducer finished before this part arrived"] * 2
