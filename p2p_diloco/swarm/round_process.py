@@ -341,7 +341,14 @@ class RoundProcessMixin:
             )
             options.update(overrides)
             runner = CountingAllReduceRunner(**options)
-            self._running_groups[group_id + suffix].set_result(runner)
+            key = group_id + suffix
+            if self._running_groups[key].done():
+                # hivemind's rpc_aggregate_part awaits this future unshielded: a sender's handler cancelled while
+                # it waited (the sender died, its stream closed) cancelled the future with it, and set_result
+                # raised InvalidStateError, ending this member's round with its group unnamed. Handlers that
+                # arrive from now on find the runner; the part of the one that died is missing, as it would be.
+                self._running_groups[key] = asyncio.get_running_loop().create_future()
+            self._running_groups[key].set_result(runner)
             return runner
 
         return make
