@@ -13,7 +13,9 @@ donor's ``rpc_state_chunk`` and holds each open without end, in one of two ways:
 After each batch of held streams, an honest client (another ``P2P`` node) asks the donor for its manifest,
 which must arrive within ``--probe-timeout-s``; the donor's averager process and its p2p daemon are sampled
 for resident memory and open file descriptors. The run stops at ``--max-streams`` held, or at the first
-failed probe, or when the attacker can open no more.
+failed probe, or when the attacker can open no more. ``held`` counts the streams the attacker opened and kept
+its end of; ``closed_by_donor`` those the donor ended (``swarm.bounded_rpc``: at once past 8 waiting per peer,
+else after ``request_timeout_s``, 1 s on loopback).
 
 Run: ``python -m benchmarks.held_streams [--mode no-eos|prefix] [--max-streams 4000] [--step 500]``; writes
 ``benchmarks/results/held_streams_<mode>.json``. Numbers depend on the machine (file-descriptor limits).
@@ -77,8 +79,8 @@ async def _probe(client: P2P, target: PeerID, prefix: str, timeout: float) -> fl
     return time.monotonic() - began if ok else None
 
 
-async def _hold(attacker: P2P, target: PeerID, name: str, mode: str) -> Any:
-    _, _reader, writer = await attacker.call_binary_stream_handler(target, name)
+async def _hold(attacker: P2P, target: PeerID, name: str, mode: str) -> tuple[Any, Any]:
+    _, reader, writer = await attacker.call_binary_stream_handler(target, name)
     writer.write(P2P.MESSAGE_MARKER)
     if mode == "no-eos":
         await P2P.send_raw_data(averaging_pb2.DownloadData(metadata=encode_request(None, MANIFEST))
@@ -86,7 +88,7 @@ async def _hold(attacker: P2P, target: PeerID, name: str, mode: str) -> Any:
     else:
         writer.write((1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
         await writer.drain()
-    return writer
+    return reader, writer
 
 
 async def _attack(averager: RoundAverager, mode: str, max_streams: int, step: int,
@@ -96,7 +98,7 @@ async def _attack(averager: RoundAverager, mode: str, max_streams: int, step: in
     attacker = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = await P2P.create(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     name = f"{averager.prefix}::RoundAverager.rpc_state_chunk"
-    held: list[Any] = []
+    held: list[tuple[Any, Any]] = []
     rows = [dict(held=0, probe_s=await _probe(client, target, averager.prefix, probe_timeout), **_usage(averager))]
     stopped = "max_streams"
     try:
@@ -108,15 +110,15 @@ async def _attack(averager: RoundAverager, mode: str, max_streams: int, step: in
                 break
             held.extend(batch)
             await asyncio.sleep(1.0)
-            row = dict(held=len(held), probe_s=await _probe(client, target, averager.prefix, probe_timeout),
-                       **_usage(averager))
+            row = dict(held=len(held), closed_by_donor=sum(reader.at_eof() for reader, _ in held),
+                       probe_s=await _probe(client, target, averager.prefix, probe_timeout), **_usage(averager))
             rows.append(row)
             print(row, flush=True)
             if row["probe_s"] is None:
                 stopped = "an honest manifest request failed"
                 break
     finally:
-        for writer in held:
+        for _, writer in held:
             writer.close()
         await attacker.shutdown()
         await client.shutdown()

@@ -8,12 +8,15 @@ Matchmaking and planning check the same list (``group.plan_group``), and joiners
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+from typing import Any, AsyncIterator, get_type_hints  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter
 
+from p2p_diloco.swarm.bounded_rpc import BOUNDED_RPCS, BoundedRequests
 from p2p_diloco.swarm.claims import unsigned_payload
 from p2p_diloco.swarm.group import decode_gather
 from p2p_diloco.swarm.patience import JoinTiming
@@ -37,6 +40,12 @@ MAX_CHUNK_STREAMS_PER_PEER = 4
 room for a stream that is closing on this side while the joiner's next request arrives."""
 
 
+def rpc_handle_name(namespace: str | None, servicer: str, rpc: str) -> str:
+    """The protocol name an RPC is served under, as hivemind's ``ServicerBase`` names it (the tripwire test
+    checks it against hivemind's own rule): its stubs call that name."""
+    return f"{servicer}.{rpc}" if namespace is None else f"{namespace}::{servicer}.{rpc}"
+
+
 class AccessControlMixin:
     """Checks on the averager's RPC handlers; ``_allowed`` (``None``: anyone) and ``_banned`` are set by the
     averager before its process starts."""
@@ -50,6 +59,28 @@ class AccessControlMixin:
     _join_timing: JoinTiming
     _early: EarlyAssembly
     peer_id: PeerID
+    request_wait_s: float = 5.0
+    """How long a caller of a one-request RPC has to send its request (``bounded_rpc``); the averager sets it to
+    ``SwarmConfig.request_timeout_s``."""
+    first_part_wait_s: float = 30.0
+    """How long a sender's all-reduce stream may wait for its first part; the averager sets it to
+    ``SwarmConfig.next_chunk_timeout_s``, the wait hivemind's runner allows for every later part."""
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None,
+                               balanced: bool = False) -> None:
+        """hivemind's registration of every ``rpc_*`` handler, then the one-request ones moved to
+        ``bounded_rpc.BoundedRequests``: hivemind's wrapper would wait without limit for their requests, before
+        any check here runs. The daemon takes one handler per protocol, so each is removed and added again;
+        this runs once, when the averager process starts, before matchmaking exists or any state is served."""
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)  # type: ignore[misc]
+        waiting: dict[Any, int] = {}
+        for rpc in BOUNDED_RPCS:
+            name = rpc_handle_name(namespace, type(self).__name__, rpc)
+            method = getattr(self if wrapper is None else wrapper, rpc)
+            request_type = get_type_hints(getattr(type(self), rpc))["request"]  # as hivemind reads it
+            served = BoundedRequests(name, method, request_type, p2p.peer_id, self.request_wait_s, waiting)
+            await p2p.remove_binary_stream_handler(name)
+            await p2p.add_binary_stream_handler(name, served.serve, balanced=balanced)
 
     def _ban(self, rejected: dict[str, str]) -> list[str]:
         """Ban every rejected peer for the rest of the run; return them as "peer id: reason"."""
@@ -142,7 +173,16 @@ class AccessControlMixin:
             logger.warning("Refused all-reduce data from %s: not in allowed_peers", context.remote_id)
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_aggregate_part(stream, context):  # type: ignore[misc]
+        # hivemind's handler awaits the first part without a limit (its runner bounds the later ones by the
+        # sender timeout): a stream held open without one ends here, with the handler, after the same wait.
+        try:
+            first = await asyncio.wait_for(anext(stream), self.first_part_wait_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            logger.debug("Closed an all-reduce stream from %s: no part within %.1f s", context.remote_id,
+                         self.first_part_wait_s)
+            return
+        parts = achain(as_aiter(first), stream)
+        async for message in super().rpc_aggregate_part(parts, context):  # type: ignore[misc]
             yield message
 
     async def rpc_download_state(

@@ -117,6 +117,8 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
         self._join_timing = JoinTiming(cfg.request_timeout_s)
+        self.request_wait_s = cfg.request_timeout_s
+        self.first_part_wait_s = cfg.next_chunk_timeout_s
         self._early = EarlyAssembly(cfg.min_group_size)
         # lives on the caller's side: it learns from the results ``average`` returns
         self.deadlines = ArrivalDeadlines(

@@ -217,12 +217,30 @@ def test_a_peer_that_steps_back_declares_late_and_so_follows() -> None:
         "leaders no longer turn away followers whose declaration ends before theirs")
 
 
-def test_a_follower_closes_its_join_stream_and_a_closed_stream_cancels_its_handler() -> None:
+def test_a_follower_closes_its_join_stream() -> None:
     """``swarm/patience.py`` (``hold_until_follower_closes``) holds a leader's join stream open after
-    BEGIN_ALLREDUCE and relies on two behaviours to end the hold early: the follower closes its stream once it
-    has its answer, and hivemind's server side cancels a stream's handler when the remote end closes."""
+    BEGIN_ALLREDUCE and relies on the follower closing its stream once it has its answer. The other half, the
+    server cancelling the handler on that close, is ``swarm/bounded_rpc.py``'s own
+    (``tests/unit/test_bounded_rpc.py::test_the_callers_close_cancels_a_running_handler``)."""
     follower = inspect.getsource(Matchmaking._request_join_group)
     assert re.search(r"finally:[\s\S]*await stream\.aclose\(\)", follower), "followers no longer close the stream"
-    server = inspect.getsource(P2P._add_protobuf_stream_handler)
-    assert "except asyncio.IncompleteReadError" in server and "processing_task.cancel()" in server, (
-        "a closed stream no longer cancels its handler: the leader would hold each join stream for hold_s")
+
+
+def test_one_request_rpcs_are_served_under_hivemind_s_names_and_framing() -> None:
+    """``swarm/bounded_rpc.py`` serves ``rpc_join_group``, ``rpc_download_state`` and ``rpc_state_chunk`` in
+    place of hivemind's wrapper: under the protocol name hivemind's stubs call, in hivemind's message framing
+    (a marker byte, an 8-byte length, the message; the request followed by ``END_OF_STREAM``), and only
+    because hivemind's servicer registers those three as unary-input, streamed-output handlers."""
+    from p2p_diloco.swarm import RoundAverager
+    from p2p_diloco.swarm.access import rpc_handle_name
+    from p2p_diloco.swarm.bounded_rpc import BOUNDED_RPCS
+
+    for rpc in BOUNDED_RPCS:
+        assert rpc_handle_name("ns", "RoundAverager", rpc) == RoundAverager._get_handle_name("ns", rpc)
+    assert rpc_handle_name(None, "RoundAverager", "rpc_x") == RoundAverager._get_handle_name(None, "rpc_x")
+    RoundAverager._collect_rpc_handlers()
+    kinds = {h.method_name: (h.stream_input, h.stream_output) for h in RoundAverager._rpc_handlers}
+    assert all(kinds[rpc] == (False, True) for rpc in BOUNDED_RPCS), kinds
+    assert (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER, P2P.HEADER_LEN, P2P.BYTEORDER) == (b"\x00", b"\x01", 8, "big")
+    client = inspect.getsource(P2P._iterate_protobuf_stream_handler)
+    assert "send_protobuf(P2P.END_OF_STREAM, writer)" in client, "hivemind's client no longer ends its requests"
