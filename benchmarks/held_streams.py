@@ -18,7 +18,7 @@ its end of; ``closed_by_donor`` those the donor ended (``swarm.bounded_rpc``: at
 else after ``request_timeout_s``, 1 s on loopback).
 
 Run: ``python -m benchmarks.held_streams [--mode no-eos|prefix] [--max-streams 4000] [--step 500]``; writes
-``benchmarks/results/held_streams_<mode>.json``. Numbers depend on the machine (file-descriptor limits).
+``benchmarks/results/held_streams_<mode>.json`` and ``held_streams.png`` (every result file present). Numbers depend on the machine (file-descriptor limits).
 """
 
 from __future__ import annotations
@@ -81,13 +81,16 @@ async def _probe(client: P2P, target: PeerID, prefix: str, timeout: float) -> fl
 
 async def _hold(attacker: P2P, target: PeerID, name: str, mode: str) -> tuple[Any, Any]:
     _, reader, writer = await attacker.call_binary_stream_handler(target, name)
-    writer.write(P2P.MESSAGE_MARKER)
-    if mode == "no-eos":
-        await P2P.send_raw_data(averaging_pb2.DownloadData(metadata=encode_request(None, MANIFEST))
-                                .SerializeToString(), writer)
-    else:
-        writer.write((1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
-        await writer.drain()
+    try:
+        writer.write(P2P.MESSAGE_MARKER)
+        if mode == "no-eos":
+            await P2P.send_raw_data(averaging_pb2.DownloadData(metadata=encode_request(None, MANIFEST))
+                                    .SerializeToString(), writer)
+        else:
+            writer.write((1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            await writer.drain()
+    except ConnectionError:
+        pass  # the donor closed it before we finished writing: counted in closed_by_donor
     return reader, writer
 
 
@@ -125,6 +128,30 @@ async def _attack(averager: RoundAverager, mode: str, max_streams: int, step: in
     return dict(rows=rows, stopped=stopped)
 
 
+def plot(results: Path = RESULTS) -> Path:
+    """``held_streams.png``: the donor averager's open descriptors against streams the attacker opened, for each
+    result file present (``*_unbounded.json``: hivemind's own wrapper, before ``swarm.bounded_rpc``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for path in sorted(results.glob("held_streams_*.json")):
+        rows = [r for r in json.loads(path.read_text())["rows"] if r.get("averager_fds") is not None]
+        label = path.stem.removeprefix("held_streams_")
+        ax.plot([r["held"] for r in rows], [r["averager_fds"] for r in rows], marker=".", label=label)
+    ax.set_xlabel("streams opened and held by one attacker identity")
+    ax.set_ylabel("donor averager process: open fds")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("Held-open streams: unbounded (hivemind's wrapper) vs bounded")
+    out = results / "held_streams.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("no-eos", "prefix"), default="no-eos")
@@ -149,7 +176,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"held_streams_{args.mode}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), f"-> {out}")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}), f"-> {out}", f"and {plot()}")
 
 
 if __name__ == "__main__":
