@@ -125,7 +125,7 @@ class BoundedRequests:
             self.waiting[peer] = self.waiting.get(peer, 0) + 1
             try:
                 request = await asyncio.wait_for(read_single_request(reader, self.request_type), self.wait_s)
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, RequestRefused) as e:
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, RequestRefused) as e:
                 timed_out = isinstance(e, asyncio.TimeoutError)
                 reason = f"no complete request within {self.wait_s:.1f} s" if timed_out else str(e)
                 logger.debug("Closed a %s stream from %s: %s", self.name, peer, reason)
@@ -142,6 +142,8 @@ class BoundedRequests:
             finally:
                 answer.cancel()
                 closed.cancel()
+                if closed.done() and not closed.cancelled():
+                    closed.exception()  # a reset is the caller's end closing too: retrieved, not logged
 
     async def _answer(self, request: Message, context: P2PContext, writer: asyncio.StreamWriter) -> None:
         try:

@@ -157,3 +157,35 @@ def test_a_peer_with_too_many_streams_waiting_for_their_request_is_cut_off_and_t
     waiting = {}
     serve(frame(REQUEST), eof=False, wait_s=0.1, waiting=waiting)  # cut off: its count is returned too
     assert waiting == {}
+
+
+def test_a_caller_whose_connection_resets_ends_its_stream_quietly() -> None:
+    """A reset (``ConnectionResetError`` from the reader) before or after the request ends the stream, with
+    nothing raised into hivemind's stream dispatcher."""
+    sent = frame(REQUEST) + END
+
+    async def run(after_request: bool) -> tuple[Recorder, bool]:
+        reader = asyncio.StreamReader()
+        if after_request:
+            reader.feed_data(sent)
+        writer = Recorder()
+        running = asyncio.Event()
+
+        async def waits(request: Any, context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+            running.set()
+            await asyncio.sleep(600)
+            yield averaging_pb2.DownloadData()
+
+        server = BoundedRequests("n", waits, averaging_pb2.DownloadData, CALLER, 600.0, {})
+        task = asyncio.create_task(server.serve(StreamInfo(CALLER, None, "p"), reader, writer))  # type: ignore[arg-type]
+        if after_request:
+            await asyncio.wait_for(running.wait(), 10)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        reader.set_exception(ConnectionResetError("reset by peer"))
+        await asyncio.wait_for(task, 10)
+        return writer, running.is_set()
+
+    for after_request in (False, True):
+        writer, ran = asyncio.run(run(after_request))
+        assert writer.closed and ran == after_request
