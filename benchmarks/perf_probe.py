@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="use this preset's parameter shapes instead of --numel")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compression", default="none")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="the codec keeps what it did not send, as run_peer --error-feedback (4bit, topk)")
     parser.add_argument("--run-id", default="probe")
     parser.add_argument("--part-size-bytes", type=int, default=SwarmConfig.part_size_bytes)
     parser.add_argument("--prefetch", type=int, default=0,
@@ -76,7 +78,7 @@ def main() -> int:
     dht = start_dht(cfg)
     tensors = template(args.numel, args.model)
     averager = RoundAverager(tensors, dht, cfg, fingerprint=FINGERPRINT,
-                             compression=wire_compression(args.compression, False))
+                             compression=wire_compression(args.compression, args.error_feedback))
     rounds = []
     for epoch in range(args.rounds):
         began = time.monotonic()

@@ -1,7 +1,7 @@
 """Swarm performance benchmarks on the emulated internet (benchmarks/testbed.py); run as root.
 
     sudo .venv/bin/python -m benchmarks.perf_swarm all        # or one of: allreduce utilization codecs
-                                                               #            joiner hetero scale
+                                                               #            sparse joiner hetero scale
     sudo .venv/bin/python -m benchmarks.perf_swarm allreduce_profile  # where the all-reduce's time goes
     .venv/bin/python -m benchmarks.perf_report                # tables into BENCHMARKS.md, PNG plots
 
@@ -225,6 +225,32 @@ def bench_codecs(rate: float = 100.0) -> None:
     save("codecs", dict(rate_mbit=rate, rows=rows))
 
 
+def bench_sparse(rate: float = 20.0, sizes: tuple[int, ...] = (2, 4, 8), rounds: int = 3) -> None:
+    """All-reduce seconds and bytes per direction per peer, 4-bit against top-k (64 of 4096 at 2 bits), both with
+    error feedback, for groups of ``sizes`` at ``rate`` Mbit/s: the default 5.5M-value pseudo-gradient (22 MB
+    in fp32). A round's seconds are its slowest member's all-reduce; medians over the rounds."""
+    rows = []
+    for n in sizes:
+        for codec in ("4bit", "topk"):
+            with Testbed(n + 1, rate) as bed:
+                out = fresh(f"sparse-{n}-{codec}")
+                maddr = _boot(bed, out)
+                peers = _probe_group(bed, out, maddr, n, f"sp{n}{codec}", "--compression", codec, "--error-feedback",
+                                     "--rounds", str(rounds))
+            fp32 = peers[0]["nbytes"]
+            per_round = [max(p["rounds"][r]["allreduce_seconds"] for p in peers) for r in range(rounds)]
+            sent = [r["bytes_sent"] for p in peers for r in p["rounds"]]
+            received = [r["bytes_received"] for p in peers for r in p["rounds"]]
+            rows.append(dict(peers=n, codec=codec, rate_mbit=rate, numel=peers[0]["numel"], fp32_bytes=fp32,
+                             allreduce_s=per_round, median_s=statistics.median(per_round),
+                             sent_median=statistics.median(sent), received_median=statistics.median(received),
+                             sent_fraction_of_fp32=statistics.median(sent) / fp32,
+                             received_fraction_of_fp32=statistics.median(received) / fp32,
+                             outcomes=[[r["outcome"] for r in p["rounds"]] for p in peers]))
+            logger.info("sparse N=%d %s: %s", n, codec, {k: v for k, v in rows[-1].items() if k != "outcomes"})
+    save("sparse", dict(rate_mbit=rate, rounds=rounds, rows=rows))
+
+
 def bench_joiner(rate: float = 2.0, steps: int = 900, name: str = "joiner", join_at: int = 2) -> None:
     """A third peer joins a running 2-peer swarm: spawn to ready (state loaded) and spawn to its first
     contribution to an average, against the state's transfer bound.
@@ -380,7 +406,7 @@ def bench_scale(sizes: tuple[int, ...] = (2, 4, 8), rounds: int = 3, steps: int 
     save("scale", dict(rounds=rounds, local_steps=steps, rows=rows))
 
 
-BENCHES = dict(allreduce=bench_allreduce, utilization=bench_utilization, codecs=bench_codecs,
+BENCHES = dict(allreduce=bench_allreduce, utilization=bench_utilization, codecs=bench_codecs, sparse=bench_sparse,
                joiner=bench_joiner, hetero=bench_hetero, scale=bench_scale,
                # 1 Mbit/s with shorter rounds (500 steps), meant to make the state download (54 s bound)
                # outlast a round so that the joiner must catch up (swarm.catchup); check swarm_round_s
