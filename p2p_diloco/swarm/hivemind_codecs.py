@@ -289,7 +289,8 @@ class CodecCompression(CompressionBase):
         self._sent.clear()
 
     def reset_residuals(self) -> None:
-        """Forget every error-feedback residual (after a state download, or when our parts were rejected)."""
+        """Forget every error-feedback residual: the averager process calls it when our own reducer rejected our part
+        (``round_process``), so a part the group refused is not sent again forever."""
         self._sent.clear()
         if self.error_feedback is not None:
             self.error_feedback.reset()
