@@ -320,6 +320,14 @@ def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 60.0) ->
     raise TestbedError(f"{path.name}: printed no multiaddr within {timeout:.0f} s")
 
 
+RELAY_READY_S = 300.0
+"""How long a bootstrap that relays may take to print its address. It checks its own relay at start and restarts
+its p2p daemon while libp2p's default relay answers (``swarm.relay_check.start_relay_dht``: up to 32 starts, each
+a fresh draw lost about 29 times in 40 on this testbed, a check up to 10 s). 60 s covered about 12 starts: a
+CI rehearsal's client-mode test lost 12 draws in a row (03:12:43-03:13:31, 2026-11-27) and never started its
+peers. 300 s covers the 32."""
+
+
 def start_swarm(bed: Testbed, out: Path, peers: int, peer_args: Sequence[str],
                 env: dict[str, str] | None = None, peer_env: dict[int, dict[str, str]] | None = None,
                 *, relay: bool = False, peer_extra: dict[int, Sequence[str]] | None = None
@@ -336,7 +344,7 @@ def start_swarm(bed: Testbed, out: Path, peers: int, peer_args: Sequence[str],
                          str(out / "bootstrap.id"), "--host-maddrs", f"/ip4/{bed.host_ip(0)}/tcp/0",
                          "--use-relay", str(relay).lower()],
                      stdout=open(boot_out, "w"), stderr=subprocess.STDOUT, env=base_env)
-    maddr = wait_for_maddr(boot_out, boot)
+    maddr = wait_for_maddr(boot_out, boot, RELAY_READY_S if relay else 60.0)
     procs = {"bootstrap": boot}
     for i in range(1, peers + 1):
         name = f"peer{i}"
