@@ -98,7 +98,10 @@ def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_pat
 
     # no split brain: peer 3 never stepped alone while cut off, so the connected majority never had to
     # download anybody's state; peer 3 did, and folded the partition's work in late
-    assert not any(r["outcome"] == "averaged" and r["group_size"] == 1 for r in rounds["peer3"]), rounds["peer3"]
+    # (before the cut a peer up first may step alone, "no other peer visible": seen in a CI rehearsal, peer 3 at
+    # epoch 0 a second before peer 1 joined by download; that is start-up, not a split)
+    assert not any(r["outcome"] == "averaged" and r["group_size"] == 1 and r["time"] > cut
+                   for r in rounds["peer3"]), rounds["peer3"]
     assert not any(r["outcome"] == "resynced" and r["time"] > cut for n in ("peer1", "peer2") for r in rounds[n])
     after = [r for r in rounds["peer3"] if r["time"] > healed]
     assert after[0]["outcome"] in ("resynced", "skipped"), after[0]

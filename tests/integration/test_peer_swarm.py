@@ -56,13 +56,17 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
     args = ("--run-id", "t1", "--max-rounds", "60")
     try:
         procs |= {
-            "a": start_peer(tmp_path, "a", maddr, *args),
-            "b": start_peer(tmp_path, "b", maddr, *args),
+            # a, b and c from epoch 0 together (START_TOGETHER): in a CI rehearsal a came up first, stepped epochs
+            # 0 and 1 alone ("no other peer visible"), b and c joined at epoch 2 by download, so c's slow epoch 1
+            # never came and no late work was ever folded
+            "a": start_peer(tmp_path, "a", maddr, *args, faults=START_TOGETHER),
+            "b": start_peer(tmp_path, "b", maddr, *args, faults=START_TOGETHER),
             # c is slowed during epoch 1 so it misses that round and must fold its work into a later one. After
             # its state download it starts late, and plans fewer steps to arrive with the others (DyLU's late
             # start, ``core.dylu.late_start_steps``): held at H it would arrive after their window closed every
             # round, chasing the swarm until its late work grew older than --max-staleness.
-            "c": start_peer(tmp_path, "c", maddr, *args, "--min-local-steps", "2", faults="slow_steps@1=0.8"),
+            "c": start_peer(tmp_path, "c", maddr, *args, "--min-local-steps", "2",
+                            faults=f"{START_TOGETHER},slow_steps@1=0.8"),
         }
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
         procs["d"] = start_peer(tmp_path, "d", maddr, "--run-id", "t1", "--max-rounds", "2")
