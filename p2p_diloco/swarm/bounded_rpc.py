@@ -12,10 +12,9 @@ stream and one file descriptor per stream it opened, for as long as it liked (``
 (``P2P.add_binary_stream_handler``) and its own message framing (``P2P.send_protobuf``). It reads exactly one
 request and its end-of-stream marker, each message at most ``MAX_REQUEST_BYTES``, all within ``wait_s``, and
 at most ``MAX_WAITING_PER_PEER`` streams of one peer wait for theirs; a stream that breaks any of that is
-closed, with nothing called. The answer is streamed as hivemind does
-(an exception goes to the caller as hivemind's ``RPCError``), each message written within ``WRITE_S``, and the
-handler is cancelled as soon as the caller closes its end, as hivemind's wrapper cancels it: ``patience``'s join
-hold relies on that. The wire format is hivemind's, unchanged, so hivemind's own stubs call these handlers.
+closed, with nothing called. The answer is streamed as hivemind does (an exception goes to the caller as
+hivemind's ``RPCError``), each message written within ``WRITE_S``, and the handler is cancelled as soon as the
+caller closes its end, as hivemind's wrapper cancels it: ``patience``'s join hold relies on that. The wire format is hivemind's, unchanged, so hivemind's own stubs call these handlers.
 
 This is framing over hivemind's streams, not a transport of our own: the bytes still travel through its p2p
 daemon. Bounding hivemind's wrapper itself would mean patching a private internal of ``P2P`` on every instance.
@@ -38,8 +37,9 @@ logger = logging.getLogger(__name__)
 
 BOUNDED_RPCS = ("rpc_join_group", "rpc_download_state", "rpc_state_chunk")
 """The averager's RPCs that take one request and stream their answer: the ones served here. The all-reduce's
-``rpc_aggregate_part`` streams both ways and stays with hivemind's wrapper: its handler ends at the round's
-own timeouts, and hivemind closes the stream when it ends."""
+``rpc_aggregate_part`` streams both ways and stays with hivemind's wrapper, which closes the stream when the
+handler ends: ``AccessControlMixin.rpc_aggregate_part`` ends it when no first part came within
+``next_chunk_timeout_s``, and hivemind's runner bounds the later parts."""
 
 MAX_REQUEST_BYTES = 1 << 16
 """Largest request message accepted, in bytes. The largest honest one is a join request, whose signed metadata is
