@@ -274,11 +274,18 @@ class Evidence:
         Trusted claims stay (their donors may be busy or cut off: the round policy carries the work and tries
         again). So does the claim of a donor in ``served`` (peer -> epoch of the state whose manifest it handed
         out before it stopped serving it, chunks delivered or not) whose record in ``now`` (the records read
-        after the download) still claims that epoch or a later one: it stepped on to the next round's state
-        mid-download, the usual fate of a slow or loaded joiner, and its record may not say so yet (it publishes
-        after its outer step, in the background). Ignoring such donors left a joiner training rounds alone from
-        its own state (seen: a loaded joiner whose three donors all stepped on between their manifests and its
-        first chunk, within one second). A donor whose record went back or vanished gets its strike as any
+        after the download) still claims ``min_epoch`` (the epoch asked for) or that state's epoch or later: it
+        stepped on to the next round's state mid-download, the usual fate of a slow or loaded joiner, and its
+        record may not say so yet (it publishes after its outer step, in the background). Why ``min_epoch`` and
+        not the served state's epoch: a manifest can be of a state newer than the donor's record (it served the
+        state it had just stepped to, its record not yet rewritten), and was counted as going back. Seen in
+        ``tests/integration/test_peer_swarm.py``: a joiner's second failed download (believed epoch 20, three
+        honest donors of one-second rounds that had handed out manifests) struck all three for 60 s, and it
+        trained alone from epoch 0; their records had not gone back, so their manifests were of a newer state
+        than the records said. An attacker gains nothing: it writes its own record, and
+        ``MOVED_ON_PASSES`` bounds the forgiveness either way. Ignoring such donors left a joiner training rounds
+        alone from its own state (seen: a loaded joiner whose three donors all stepped on between their manifests
+        and its first chunk, within one second). A donor whose record went back or vanished gets its strike as any
         other, and so does every donor once ``MOVED_ON_PASSES`` failed downloads in a row were forgiven (an
         attacker could hand out a manifest and keep its claim each time; the count starts again once this peer
         loads a state). The count is this peer's, not each donor's: per donor, k free identities taking turns
@@ -286,9 +293,12 @@ class Evidence:
         step on together and share one."""
         now_epochs = {c.peer_id: c.epoch for c in now}
         moved_on = {peer for peer, epoch in (served or {}).items()
-                    if now_epochs.get(peer, -1) >= epoch} if self._passes < MOVED_ON_PASSES else set()
+                    if now_epochs.get(peer, -1) >= min(epoch, min_epoch)} if self._passes < MOVED_ON_PASSES else set()
         if moved_on:
             self._passes += 1
+            logger.info("Forgiven (failed download %d of %d in a row): %s", self._passes, MOVED_ON_PASSES,
+                        ", ".join(f"{p} served epoch {(served or {})[p]}, its record says {now_epochs[p]}"
+                                  for p in sorted(moved_on)))
         now_s, (first, most) = self._clock(), self.unbacked_s
         marked = {}
         for claim in claims:

@@ -51,9 +51,12 @@ def _holders_by_epoch(tmp: Path, names: list[str]) -> dict[int, dict[str, set[st
 
 def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
-    # a, b and c train until stopped, so the joiner d always finds a live swarm however slow the host is.
+    # a, b and c train until stopped, so the joiner d always finds a live swarm however slow the host is. Late work
+    # of any age folds (--max-staleness 1000): a and b average a round every 1-2 s while c trains its slowed epoch
+    # (about 8 s) and resyncs; at the default 4 rounds, c's work went stale when they fitted 5 rounds in (a CI run
+    # waited 180 s for a fold that had been dropped; one here folded it at staleness 3).
     procs: dict = {}
-    args = ("--run-id", "t1", "--max-rounds", "60")
+    args = ("--run-id", "t1", "--max-rounds", "60", "--max-staleness", "1000")
     try:
         procs |= {
             # a, b and c from epoch 0 together (START_TOGETHER): in a CI rehearsal a came up first, stepped epochs

@@ -155,6 +155,18 @@ def test_a_donor_that_stopped_serving_is_forgiven_while_its_record_keeps_the_epo
     assert ev.swarm_epoch([Claim("a", 7), Claim("b", 8)]) == 8
 
 
+def test_a_donor_that_served_a_state_newer_than_its_record_is_forgiven() -> None:
+    """A donor serves the state it just stepped to before its record says so: the manifest is of epoch 21 while
+    its record still claims the 20 the joiner asked for. That is no going back (three honest donors of
+    one-second rounds were struck for it, and the joiner trained alone from epoch 0); a record below the epoch
+    asked for still is."""
+    ev = Evidence("me", unbacked_s=(60.0, 600.0))
+    claims = [Claim("a", 20), Claim("b", 20), Claim("c", 20)]
+    ignored = ev.unbacked(claims, 20, served={"a": 21, "b": 21, "c": 21},
+                          now=[Claim("a", 20), Claim("b", 21), Claim("c", 19)])
+    assert set(ignored) == {"c"}
+
+
 def test_left_behind_needs_every_believed_peer_past_the_epoch() -> None:
     ev = Evidence("me")
     assert not ev.left_behind([Claim("me", 3)], 3)  # alone: nobody to have moved on
