@@ -36,10 +36,13 @@ from collections.abc import Sequence
 
 import torch
 
-CODEC_NORM_GAIN = {"none": 1.0, "fp16": 1.0 + 2.0**-10, "int8": 1.1, "4bit": 1.45, "topk": 1.1, "topk-sign": 1.1}
+CODEC_NORM_GAIN = {"none": 1.0, "fp16": 1.0 + 2.0**-10, "int8": 1.1, "4bit": 1.45, "2bit": 1.1, "topk": 1.1,
+                   "topk-sign": 1.1}
 """How much each codec's round trip can raise a vector's L2 norm, with margin: fp16 rounds to 11 bits; int8 moves
 each value by at most absmax/254 (at most 4.5% of a block's norm with 128 values); E3M0 rounds up by at most
-1/3 (plus up to absmax/256 for the smallest values and 0.8% for the bf16 scale). The sparse codecs never raise
+1/3 (plus up to absmax/256 for the smallest values and 0.8% for the bf16 scale). 2bit, like the sparse codecs,
+never raises a block's norm beyond the rounding of its levels (each is the mean of the magnitudes it stands for).
+The sparse codecs never raise
 a chunk's norm beyond the bf16 rounding of their levels (each level is a mean of the magnitudes it stands
 for), and a reducer answers with the same codec (the aggregate's own top-k); int8's gain still covers the
 union reply of earlier releases (``core.sparse.SparseAverageCodec``)."""

@@ -1,6 +1,6 @@
 """Pseudo-gradient codecs: how many bits each value costs on the wire.
 
-Four dense codecs here, and two sparse ones (``topk``, ``topk-sign``: chunked top-k at 2 or 1 bits per kept
+Five dense codecs here, and two sparse ones (``topk``, ``topk-sign``: chunked top-k at 2 or 1 bits per kept
 value, 1/140 and 1/153 of fp32 at 64 of 4096) in :mod:`p2p_diloco.core.sparse`; all chosen by name with
 :func:`get_codec`:
 
@@ -11,13 +11,16 @@ name      format                                     bits/value (block 128)
 ``fp16``  fp16, clamped to ±65504                    16
 ``int8``  int8 in [-127, 127] × per-block scale      8 + 16/128 = 8.125
 ``4bit``  E3M0 4-bit float × per-block scale         4 + 16/128 = 4.125 (≈ 1/7.76 of fp32)
+``2bit``  sign + low/high level, two levels/block    2 + 32/128 = 2.25 (≈ 1/14.2 of fp32)
 ========  =========================================  ===============================
 
 Choosing a codec: fp16 is lossless in practice for pseudo-gradients (OpenDiLoCo); int8 was
 used by INTELLECT-1 with no reported loss; 4-bit halves int8 again and matched full
 precision in Streaming DiLoCo when accumulated in fp32. Prefer ``int8`` or ``4bit`` on home
 links, and wrap a lossy codec in :class:`ErrorFeedback` when the same tensor is sent every
-round, so what one round loses is sent the next.
+round, so what one round loses is sent the next. ``2bit`` (MuLoCo's setting) is for error
+feedback only: every value is sent at one of two magnitudes, so without a residual its rounding
+(relative RMS error 0.34 on Gaussian data at block 128) is lost every round.
 
 Design decisions:
 
@@ -46,8 +49,17 @@ Design decisions:
   unused codes, padding): their input comes from the network. Non-finite inputs are
   refused on encode, so a diverged peer cannot send NaN into the average. No pickle.
 
+* **2-bit = sign + one of two levels per block**, the levels fitted to the block's magnitudes by
+  three Lloyd iterations (threshold midway between the levels, each level the mean of its group),
+  as the sparse ``topk`` codes its kept values. Four symmetric levels ``±lo, ±hi`` beat ternary
+  ``{0, ±s}`` on Gaussian data (measured, 2^20 values: mean squared error 0.115 of the variance
+  against 0.190 for ternary at its best threshold) and keep every value's sign. Each level is its group's mean, so a block
+  never comes back longer (L2) than it went, but for the levels' bf16 rounding (up, at most 2^-7).
+
 Layouts (little-endian): ``none``/``fp16``: the values. ``int8``/``4bit``: ``ceil(n/B)``
-bf16 scales, then the codes (n bytes, resp. ``ceil(n/2)`` bytes).
+bf16 scales, then the codes (n bytes, resp. ``ceil(n/2)`` bytes). ``2bit``: ``ceil(n/B)`` pairs of
+bf16 levels (low, high), then ``ceil(n/4)`` bytes of codes, four per byte from the low bits up
+(bit 0 of a code: negative; bit 1: the high level).
 """
 
 from __future__ import annotations
@@ -74,6 +86,7 @@ __all__ = [
     "Float16Codec",
     "Float32Codec",
     "Int8Codec",
+    "TwoLevelCodec",
     "get_codec",
     "max_abs_error_bound",
 ]
@@ -82,7 +95,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 128
 MAX_BLOCK_SIZE = 1 << 16
-CodecName = Literal["none", "fp16", "int8", "4bit", "topk", "topk-sign"]
+CodecName = Literal["none", "fp16", "int8", "4bit", "2bit", "topk", "topk-sign"]
 """The one list of codec names: ``OuterConfig.compression`` is typed by it (so the CLI offers these), and
 :data:`CODEC_NAMES` is read from it. ``topk`` and ``topk-sign`` are the sparse ones
 (``core.sparse.SPARSE_CODEC_NAMES``); the others are ``_CODECS``' keys (a unit test checks both)."""
@@ -266,17 +279,84 @@ class E3M0Codec(_BlockCodec):
         return values.mul_(self._per_value_scales(scales, numel))
 
 
+_LLOYD_ITERATIONS = 3
+
+
+class TwoLevelCodec(_BlockCodec):
+    """``2bit``: per value its sign and whether it takes its block's low or high level (module docstring).
+
+    Error bound per value: the block's largest magnitude times ``1 + 2^-7`` (a value and its code share their
+    sign, and both magnitudes lie in ``[0, absmax]`` but for the levels' rounding up). Relative RMS error at
+    block 128 (2^20 values): Gaussian data 0.34, Student-t with 3 degrees of freedom 0.51 (``4bit``: 0.19,
+    0.17); use it with error feedback.
+    """
+
+    name = "2bit"
+
+    def _code_nbytes(self, numel: int) -> int:
+        return (numel + 3) // 4
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return 4 * self.num_blocks(numel) + self._code_nbytes(numel)
+
+    def encode(self, t: Tensor) -> bytes:
+        flat = _flat_fp32(t)
+        numel = flat.numel()
+        if numel == 0:
+            return b""
+        blocks = self._blocks(flat)
+        valid = torch.zeros(blocks.numel(), dtype=torch.bool)
+        valid[:numel] = True  # the last block's padding takes no part in its levels
+        valid = valid.view_as(blocks)
+        magnitude = blocks.abs()
+        threshold = magnitude.sum(dim=1) / valid.sum(dim=1).to(torch.float32)
+        for _ in range(_LLOYD_ITERATIONS):
+            high = valid & (magnitude > threshold[:, None])
+            low = valid & ~high
+            n_high, n_low = high.sum(dim=1), low.sum(dim=1)
+            hi = (magnitude * high).sum(dim=1) / n_high.clamp(min=1)
+            lo = (magnitude * low).sum(dim=1) / n_low.clamp(min=1)
+            # an empty group takes the other's level, so the pair stays ordered and finite
+            hi = torch.where(n_high > 0, hi, lo)
+            lo = torch.where(n_low > 0, lo, hi)
+            threshold = (lo + hi) / 2
+        level_bits, _ = _round_up_to_bf16(torch.stack([lo, hi], dim=1).reshape(-1))
+        codes = ((flat < 0).to(torch.uint8) | (high.reshape(-1)[:numel].to(torch.uint8) << 1)).numpy()
+        padded = np.zeros(4 * self._code_nbytes(numel), dtype=np.uint8)
+        padded[:numel] = codes
+        quads = padded.reshape(-1, 4)
+        packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+        return level_bits.tobytes() + packed.astype(np.uint8).tobytes()
+
+    def _decode_flat(self, view: memoryview, numel: int) -> Tensor:
+        if numel == 0:
+            return torch.zeros(0)
+        nblocks = self.num_blocks(numel)
+        levels = _decode_bf16_scales(view[: 4 * nblocks], 2 * nblocks, self.name).view(nblocks, 2)
+        if bool((levels[:, 0] > levels[:, 1]).any()):
+            raise ValueError("2bit data holds a block whose low level exceeds its high level")
+        packed = np.frombuffer(view, dtype=np.uint8, offset=4 * nblocks)
+        codes = ((packed[:, None] >> np.arange(0, 8, 2, dtype=np.uint8)) & 0b11).reshape(-1)
+        if codes[numel:].any():
+            raise ValueError("2bit data has non-zero padding codes")
+        codes_t = torch.from_numpy(codes[:numel].astype(np.int64))
+        magnitude = torch.where(codes_t >= 2, self._per_value_scales(levels[:, 1], numel),
+                                self._per_value_scales(levels[:, 0], numel))
+        return torch.where((codes_t & 1).bool(), -magnitude, magnitude)
+
+
 _CODECS: dict[str, type[Codec]] = {
     "none": Float32Codec,
     "fp16": Float16Codec,
     "int8": Int8Codec,
     "4bit": E3M0Codec,
+    "2bit": TwoLevelCodec,
 }
 
 
 def get_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE, *, chunk_size: int | None = None,
               k: int | None = None) -> Codec:
-    """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit,
+    """The codec called ``name`` (one of :data:`CODEC_NAMES`); ``block_size`` applies to int8/4bit/2bit,
     ``chunk_size`` and ``k`` to the sparse codecs (default 64 of 4096, see ``core.sparse``)."""
     if name in SPARSE_CODEC_NAMES:
         return TopKCodec(DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
@@ -383,6 +463,8 @@ def max_abs_error_bound(codec: Codec, t: Tensor) -> Tensor:
     absmax = codec._per_value_scales(absmax, flat.numel()) * (1.0 + 2.0**-7)
     if isinstance(codec, Int8Codec):
         bound = absmax / 254.0
+    elif isinstance(codec, TwoLevelCodec):
+        bound = absmax
     else:
         bound = torch.maximum(flat.abs() / 3.0, absmax / 128.0)
     # A block whose largest value is below fp32's normal range has a scale that underflows: its values

@@ -68,7 +68,7 @@ def test_clip_to_budget_spends_one_budget_across_parts() -> None:
     assert clipped and _norm(part) == pytest.approx(5.0)
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8", "4bit"])
+@pytest.mark.parametrize("codec", ["fp16", "int8", "4bit", "2bit"])
 def test_codec_norm_gain_covers_real_round_trips(codec: str) -> None:
     gen = torch.Generator().manual_seed(0)
     # Gaussian, heavy-tailed, and values placed just above E3M0's rounding midpoints (its worst case)

@@ -296,3 +296,31 @@ def test_the_reducer_refuses_hostile_sparse_parts_with_their_reason(payload, rea
     finally:
         uninstall(previous)
     assert serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] is previous
+
+
+def test_the_reducer_refuses_a_sparse_part_with_an_index_out_of_range():
+    # offsets are log2(chunk) bits, so only a short last chunk can be overrun: 20 values, chunks of 16 and 4,
+    # offset 4 in the second chunk is past its end
+    from hivemind.compression import serialization
+    from hivemind.proto import runtime_pb2
+
+    from p2p_diloco.swarm.hivemind_codecs import CodecCompression, install, uninstall
+    from p2p_diloco.swarm.runner import decode_part
+
+    compression = CodecCompression("topk", chunk_size=16, k=4)
+    previous = install(compression)
+    try:
+        x = torch.zeros(20)
+        good = compression.compress(x + _data(20), serialization.CompressionInfo.from_tensor(x, key=0))
+        part, problem = decode_part(good, (20,), compression.compression_type)
+        assert problem is None and int((part != 0).sum()) == 8
+        hostile = runtime_pb2.Tensor()
+        hostile.CopyFrom(good)
+        hostile.buffer = good.buffer[:8] + (
+            np.asarray([1, 1], dtype="<u1").tobytes() + struct.pack("<4H", ONE, TWO, ONE, TWO)
+            + _pack_bits(np.asarray([0, 4]), 4) + _pack_bits(np.asarray([0, 0]), 2))
+        part, problem = decode_part(hostile, (20,), compression.compression_type)
+        assert part.numel() == 0 and problem is not None and "rejected by its decoder" in problem
+        assert "index out of range" in problem, problem
+    finally:
+        uninstall(previous)

@@ -78,7 +78,7 @@ def _valid_wire() -> dict:
 
 
 @FUZZ
-@given(name=st.sampled_from(["none", "fp16", "int8", "4bit"]), data=st.binary(max_size=600),
+@given(name=st.sampled_from(["none", "fp16", "int8", "4bit", "2bit"]), data=st.binary(max_size=600),
        shape=st.lists(st.integers(0, 40), max_size=3))
 def test_codec_decode_raises_only_value_error(name: str, data: bytes, shape: list[int]) -> None:
     codec = get_codec(name)
