@@ -35,11 +35,16 @@ RUNS = {
                    "--credit-undelivered", "false"],
     "topk_ef095_credit": ["--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95",
                           "--credit-undelivered"],
+    "topk32_ef095_credit": ["--compression", "topk", "--topk-k", "32", "--error-feedback",
+                            "--error-feedback-decay", "0.95", "--credit-undelivered"],
+    "2bit_ef095": ["--compression", "2bit", "--error-feedback", "--error-feedback-decay", "0.95"],
 }
 """What this script runs: the reducers answer with the aggregate's own top-k (``TopKCodec.reply_codec``)."""
 LABELS = {"none": "none", "4bit": "4bit",
           "topk_ef095": "topk 64/4096 + EF 0.95, top-k reply",
           "topk_ef095_credit": "topk 64/4096 + EF 0.95, top-k reply, undelivered credited",
+          "topk32_ef095_credit": "topk 32/4096 + EF 0.95, top-k reply, undelivered credited",
+          "2bit_ef095": "2bit dense + EF 0.95",
           "topk_union_ef095": "topk 64/4096 + EF 0.95, union reply (before 2cd0c28)",
           "topk_union_ef1": "topk 64/4096 + EF 1.0, union reply (before 2cd0c28)",
           "topk256_union_ef095": "topk 256/4096 + EF 0.95, union reply (before 2cd0c28)"}

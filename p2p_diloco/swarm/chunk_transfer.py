@@ -55,6 +55,13 @@ PART_BYTES = 1 << 18
 DEPTH = 2
 """Chunk requests out per donor (``ChunkPlan.depth``)."""
 _GRACE_S = 10.0
+REPUBLISH_WAIT_S = 2.0
+"""How long a manifest request that finds this donor's state withdrawn (its outer step and the new state's hash
+pass) waits for the new state before answering nothing. Why: the donors of one group step at the same moment,
+and a joiner asking all of them then got no manifest at all; it could not tell that from donors that lie about
+their epoch, struck their claims for a minute and trained alone from epoch 0 (seen twice in CI rehearsals, with
+rounds of about a second). Longer than that window on a small model; a 1B model's may be longer, and its joiner
+is then answered nothing as before. Cost: one idle coroutine per request for at most this long."""
 INCOMPLETE = "download incomplete"
 """How :func:`fetch_verified` names a download whose donors stopped serving before every chunk came."""
 BAD_CHUNK = "failed its hash"
@@ -140,6 +147,7 @@ class ChunkTransferMixin:
     _streams_open: Any
     _manifests_served: Any
     _last_served: Any
+    _state_live: Any
     _fault_hook: Callable[[str], Any]
 
     async def _served(self, version: int) -> _Served | None:
@@ -159,6 +167,13 @@ class ChunkTransferMixin:
         cache = self._served_cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
         return cache
 
+    async def _until_republished(self) -> None:
+        """While this peer shares state but has withdrawn it to step on, wait (at most ``REPUBLISH_WAIT_S``) for
+        the new one. A shared flag polled every 20 ms: the host publishes from another process."""
+        deadline = time.monotonic() + REPUBLISH_WAIT_S
+        while self.allow_state_sharing and not self._state_live.value and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
     async def rpc_state_chunk(self, request: averaging_pb2.DownloadData,
                               context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         """One chunk of the served state or update, or a manifest (see the module docstring)."""
@@ -166,6 +181,9 @@ class ChunkTransferMixin:
         if parsed is None:
             return
         sha, index = parsed
+        if index == MANIFEST:
+            # before counting as an open stream: the host waits for open streams before it steps on
+            await self._until_republished()
         with self._streams_open.get_lock():
             self._streams_open.value += 1
         try:

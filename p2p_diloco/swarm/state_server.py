@@ -71,6 +71,13 @@ class StateSharingMixin:
         self._last_served = mp.Value(ctypes.c_double, 0.0)
         """Wall time the last manifest or state chunk was served: a joiner between two requests is still
         downloading."""
+        self._state_live = mp.Value(ctypes.c_bool, False)
+        """The host serves a state now (published and not withdrawn): a manifest request that finds it
+        withdrawn waits for the next one (``chunk_transfer.REPUBLISH_WAIT_S``)."""
+
+    def mark_state_live(self, live: bool) -> None:
+        """The host published a state (True) or withdrew it to change it (False)."""
+        self._state_live.value = live
 
     def bump_state_version(self) -> None:
         with self._state_version.get_lock():
@@ -98,6 +105,7 @@ class StateSharingMixin:
         """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
         self._state_provider = provider
         self.allow_state_sharing = provider is not None
+        self.mark_state_live(provider is not None)
 
     def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
         """Called by hivemind in this (host) process when a peer downloads our state."""
@@ -268,6 +276,7 @@ class StateServer:
             self._state = None
             self._update = self._update_meta = None
             self._update_owned = False
+        self._averager.mark_state_live(False)
         self._wait_and_cut(timeout)
 
     def _wait_and_cut(self, timeout: float) -> None:

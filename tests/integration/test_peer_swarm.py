@@ -49,6 +49,10 @@ def _holders_by_epoch(tmp: Path, names: list[str]) -> dict[int, dict[str, set[st
     return by_epoch
 
 
+ROUNDS_AFTER_SPLIT = 3
+"""Rounds within which the checksum vote must bring a peer holding the losing digest of a split round back."""
+
+
 def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     # a, b and c train until stopped, so the joiner d always finds a live swarm however slow the host is. Late work
@@ -72,16 +76,18 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
                             faults=f"{START_TOGETHER},slow_steps@1=0.8"),
         }
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
-        procs["d"] = start_peer(tmp_path, "d", maddr, "--run-id", "t1", "--max-rounds", "2")
-        codes = wait_all({"d": procs["d"]}, 300)
+        # d trains until stopped too: a round it joins may split in two groups, and the checksum vote repairs
+        # that in the rounds after (checked below); a d that stopped after 2 rounds could not be repaired
+        procs["d"] = start_peer(tmp_path, "d", maddr, *args)
+        wait_for(lambda: len(events(tmp_path, "d", "round")) >= ROUNDS_AFTER_SPLIT + 2, 300, "d's rounds")
         # Stop only once the fold is in the logs of c and of a peer that took c's late work into its round: a
         # round's record is written when the round ends, on each peer at its own time.
         wait_for(lambda: any(r["outcome"] == "folded_late" for r in events(tmp_path, "c", "round"))
                  and any(r["late_folded"] >= 1 for n in "ab" for r in events(tmp_path, n, "round")), 180,
                  "c's late work folded, in c's log and a's or b's")
-        for name in "abc":
-            procs[name].terminate()
-        codes.update(wait_all({n: procs[n] for n in "abc"}, 120))
+        for proc in procs.values():
+            proc.terminate()
+        codes = wait_all(procs, 120)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -97,21 +103,24 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
     assert sum(r["outcome"] == "averaged" and r["group_size"] >= 2 for r in rounds["a"]) >= 3
 
     # Every peer that reached an epoch through the swarm holds the very same parameters, unless a round split into
-    # two groups: then a strict majority holds one checksum, and the checksum vote catches every other holder at its
-    # next round (it skips that round and resyncs). Seen in a CI rehearsal: joiner d, left behind while it looked
-    # for the group of its epoch, gave the round up as the group it had just joined with b began its all-reduce;
-    # a and c averaged in a group of 2, b and d in another, and b's next round said "our parameters differ from
-    # the majority checksum". The race (a give-up against a group that formed) is open in issue 37's note.
+    # two groups (matchmaking is no global agreement): then the checksum vote (``core.evidence.outvoted``: the
+    # digest most peers hold, a tie to the lowest) makes every other holder resync within its next
+    # ROUNDS_AFTER_SPLIT rounds, unless it stopped first. Seen in CI rehearsals: joiner d gave a round up as the
+    # group it had just joined began its all-reduce (a and c averaged in a group of 2, b and d in another, b's
+    # next round resynced); and, with d joined at epoch 19, groups {a, b} and {c, d}, an even split: the next
+    # round's vote came before all the votes were readable, the four averaged together on two bases, and c
+    # resynced a round later. The splits themselves are open in issue 37's note.
     for epoch, holders in _holders_by_epoch(tmp_path, list(procs)).items():
         if len(holders) == 1:
             continue
-        majority = max(holders, key=lambda sha: len(holders[sha]))
-        others = {name for sha, names in holders.items() if sha != majority for name in names}
-        assert len(holders[majority]) > len(others), (epoch, dict(holders))
+        winner = min(holders, key=lambda sha: (-len(holders[sha]), sha))
+        others = {name for sha, names in holders.items() if sha != winner for name in names} - holders[winner]
         for name in others:
-            caught = next((r for r in rounds[name] if r["epoch"] == epoch), None)
-            assert caught is not None and (caught["outcome"] == "resynced"
-                                           or "majority checksum" in (caught.get("reason") or "")), (epoch, name, caught)
+            after = [r for r in rounds[name] if r["epoch"] >= epoch][:ROUNDS_AFTER_SPLIT]
+            if len(after) < ROUNDS_AFTER_SPLIT:
+                continue  # stopped before the vote could reach it
+            assert any(r["outcome"] == "resynced" or "majority checksum" in (r.get("reason") or "")
+                       for r in after), (epoch, name, dict(holders), after)
 
     # Loss falls on every original peer.
     assert_loss_fell(tmp_path, ["a", "b", "c"], by=1.0)

@@ -337,6 +337,9 @@ class _Leeched:
     def bump_state_version(self) -> None:
         self.bumps += 1
 
+    def mark_state_live(self, live: bool) -> None:
+        self.live = live
+
 
 @pytest.mark.timeout(60)
 def test_a_download_that_never_ends_holds_a_withdrawal_only_for_the_rounds_budget() -> None:
@@ -462,6 +465,9 @@ class _Serving:
 
     def bump_state_version(self) -> None:
         self.bumps += 1
+
+    def mark_state_live(self, live: bool) -> None:
+        self.live = live
 
     def set_state_provider(self, provider: Any) -> None:
         self.provider = provider
