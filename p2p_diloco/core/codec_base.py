@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Buffer", "Codec"]
+__all__ = ["Buffer", "Codec", "fit_two_levels"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -94,3 +94,26 @@ class Codec(ABC):
         return f"{type(self).__name__}()"
 
 
+LLOYD_ITERATIONS = 3
+"""Lloyd iterations of :func:`fit_two_levels`: the levels move little after three (``core.sparse``)."""
+
+
+def fit_two_levels(magnitude: Tensor, member: Tensor, threshold: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Two levels per row for the magnitudes where ``member`` is set, by ``LLOYD_ITERATIONS`` Lloyd iterations
+    from ``threshold`` (one per row): a magnitude above the threshold takes the high level, each level is the
+    mean of its group, and the threshold moves midway between them. Returns (low, high, whether each value takes
+    the high level). Each level being its group's mean, a row never comes back longer (L2) than it went; an
+    empty group takes the other's level, so the pair stays ordered and finite. Used by ``2bit`` (every value of
+    a block) and ``topk`` (a chunk's kept values)."""
+    high = member
+    lo = hi = threshold
+    for _ in range(LLOYD_ITERATIONS):
+        high = member & (magnitude > threshold[:, None])
+        low = member & ~high
+        n_high, n_low = high.sum(dim=1), low.sum(dim=1)
+        hi = (magnitude * high).sum(dim=1) / n_high.clamp(min=1)
+        lo = (magnitude * low).sum(dim=1) / n_low.clamp(min=1)
+        hi = torch.where(n_high > 0, hi, lo)
+        lo = torch.where(n_low > 0, lo, hi)
+        threshold = (lo + hi) / 2
+    return lo, hi, high

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from p2p_diloco.core.codec_base import Codec, _flat_fp32
+from p2p_diloco.core.codec_base import Codec, _flat_fp32, fit_two_levels
 from p2p_diloco.core.sparse import DEFAULT_CHUNK_SIZE, DEFAULT_TOPK, SPARSE_CODEC_NAMES, TopKCodec
 
 __all__ = [
@@ -279,9 +279,6 @@ class E3M0Codec(_BlockCodec):
         return values.mul_(self._per_value_scales(scales, numel))
 
 
-_LLOYD_ITERATIONS = 3
-
-
 class TwoLevelCodec(_BlockCodec):
     """``2bit``: per value its sign and whether it takes its block's low or high level (module docstring).
 
@@ -310,16 +307,7 @@ class TwoLevelCodec(_BlockCodec):
         valid = valid.view_as(blocks)
         magnitude = blocks.abs()
         threshold = magnitude.sum(dim=1) / valid.sum(dim=1).to(torch.float32)
-        for _ in range(_LLOYD_ITERATIONS):
-            high = valid & (magnitude > threshold[:, None])
-            low = valid & ~high
-            n_high, n_low = high.sum(dim=1), low.sum(dim=1)
-            hi = (magnitude * high).sum(dim=1) / n_high.clamp(min=1)
-            lo = (magnitude * low).sum(dim=1) / n_low.clamp(min=1)
-            # an empty group takes the other's level, so the pair stays ordered and finite
-            hi = torch.where(n_high > 0, hi, lo)
-            lo = torch.where(n_low > 0, lo, hi)
-            threshold = (lo + hi) / 2
+        lo, hi, high = fit_two_levels(magnitude, valid, threshold)
         level_bits, _ = _round_up_to_bf16(torch.stack([lo, hi], dim=1).reshape(-1))
         codes = ((flat < 0).to(torch.uint8) | (high.reshape(-1)[:numel].to(torch.uint8) << 1)).numpy()
         padded = np.zeros(4 * self._code_nbytes(numel), dtype=np.uint8)

@@ -83,7 +83,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from p2p_diloco.core.codec_base import Buffer, Codec, _as_bytes_view, _flat_fp32, _numel
+from p2p_diloco.core.codec_base import Buffer, Codec, _as_bytes_view, _flat_fp32, _numel, fit_two_levels
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -98,7 +98,6 @@ DEFAULT_CHUNK_SIZE = 4096
 DEFAULT_TOPK = 64
 SPARSE_CODEC_NAMES: tuple[str, ...] = ("topk", "topk-sign")
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 16, 1 << 15
-_LLOYD_ITERATIONS = 3
 
 
 class SparsePartError(ValueError):
@@ -290,16 +289,7 @@ class TopKCodec(_SparseBase):
         bottom = torch.where(kept, magnitude, torch.full_like(magnitude, float("inf"))).amin(dim=1)
         bottom = torch.where(counts > 0, bottom, torch.zeros_like(bottom))
         threshold = (top + bottom) / 2
-        for _ in range(_LLOYD_ITERATIONS):
-            high = kept & (magnitude > threshold[:, None])
-            low = kept & ~high
-            n_high, n_low = high.sum(dim=1), low.sum(dim=1)
-            hi = (magnitude * high).sum(dim=1) / n_high.clamp(min=1)
-            lo = (magnitude * low).sum(dim=1) / n_low.clamp(min=1)
-            # an empty group takes the other's level, so the pair stays ordered and finite
-            hi = torch.where(n_high > 0, hi, lo)
-            lo = torch.where(n_low > 0, lo, hi)
-            threshold = (lo + hi) / 2
+        lo, hi, high = fit_two_levels(magnitude, kept, threshold)
         bits, pair = _to_bf16(torch.stack([lo, hi], dim=1).reshape(-1))
         return bits, pair.view(-1, 2), high
 

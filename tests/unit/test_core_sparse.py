@@ -267,13 +267,20 @@ def test_get_codec_names_the_sparse_codecs():
 
 # --- at the reducer: a hostile part is refused whole, with the decoder's reason ------------------------------
 
-@pytest.mark.parametrize("payload, reason", [
-    (_part([3], [ONE, TWO], [1, 5, 5], [0, 1, 2]), "repeated index"),
-    (_part([5], [ONE, TWO], [1, 2, 3, 4, 5], [0] * 5), "more than k entries"),
-    (_part([3], [0x7FC0, TWO], [1, 5, 9], [0, 1, 2]), "NaN or infinite scale"),
-    (_part([3], [ONE, TWO], [1, 5, 9], [0, 1, 2]) + b"\0", "declared size disagrees"),
+# 20 values: chunks of 16 and 4; offset 4 in the second chunk is past its end (offsets are log2(chunk) bits, so
+# only a short last chunk can be overrun)
+_OVERRUN = (np.asarray([1, 1], dtype="<u1").tobytes() + struct.pack("<4H", ONE, TWO, ONE, TWO)
+            + _pack_bits(np.asarray([0, 4]), 4) + _pack_bits(np.asarray([0, 0]), 2))
+
+
+@pytest.mark.parametrize("numel, payload, reason", [
+    (16, _part([3], [ONE, TWO], [1, 5, 5], [0, 1, 2]), "repeated index"),
+    (16, _part([5], [ONE, TWO], [1, 2, 3, 4, 5], [0] * 5), "more than k entries"),
+    (16, _part([3], [0x7FC0, TWO], [1, 5, 9], [0, 1, 2]), "NaN or infinite scale"),
+    (16, _part([3], [ONE, TWO], [1, 5, 9], [0, 1, 2]) + b"\0", "declared size disagrees"),
+    (20, _OVERRUN, "index out of range"),
 ])
-def test_the_reducer_refuses_hostile_sparse_parts_with_their_reason(payload, reason):
+def test_the_reducer_refuses_hostile_sparse_parts_with_their_reason(numel, payload, reason):
     from hivemind.compression import serialization
     from hivemind.proto import runtime_pb2
 
@@ -283,44 +290,16 @@ def test_the_reducer_refuses_hostile_sparse_parts_with_their_reason(payload, rea
     compression = CodecCompression("topk", chunk_size=16, k=4)
     previous = install(compression)
     try:
-        x = torch.zeros(16)
-        good = compression.compress(x + _data(16), serialization.CompressionInfo.from_tensor(x, key=0))
-        part, problem = decode_part(good, (16,), compression.compression_type)
-        assert problem is None and int((part != 0).sum()) == 4
+        x = torch.zeros(numel)
+        good = compression.compress(x + _data(numel), serialization.CompressionInfo.from_tensor(x, key=0))
+        part, problem = decode_part(good, (numel,), compression.compression_type)
+        assert problem is None and int((part != 0).sum()) == 4 * -(-numel // 16)  # k = 4 of each chunk
         hostile = runtime_pb2.Tensor()
         hostile.CopyFrom(good)
         hostile.buffer = good.buffer[:8] + payload  # the adapter's header, then the hand-written part
-        part, problem = decode_part(hostile, (16,), compression.compression_type)
+        part, problem = decode_part(hostile, (numel,), compression.compression_type)
         assert part.numel() == 0 and problem is not None and "rejected by its decoder" in problem
         assert re.search(reason, problem), problem
     finally:
         uninstall(previous)
     assert serialization._BASE_COMPRESSION_TYPES[HIVEMIND_SLOT] is previous
-
-
-def test_the_reducer_refuses_a_sparse_part_with_an_index_out_of_range():
-    # offsets are log2(chunk) bits, so only a short last chunk can be overrun: 20 values, chunks of 16 and 4,
-    # offset 4 in the second chunk is past its end
-    from hivemind.compression import serialization
-    from hivemind.proto import runtime_pb2
-
-    from p2p_diloco.swarm.hivemind_codecs import CodecCompression, install, uninstall
-    from p2p_diloco.swarm.runner import decode_part
-
-    compression = CodecCompression("topk", chunk_size=16, k=4)
-    previous = install(compression)
-    try:
-        x = torch.zeros(20)
-        good = compression.compress(x + _data(20), serialization.CompressionInfo.from_tensor(x, key=0))
-        part, problem = decode_part(good, (20,), compression.compression_type)
-        assert problem is None and int((part != 0).sum()) == 8
-        hostile = runtime_pb2.Tensor()
-        hostile.CopyFrom(good)
-        hostile.buffer = good.buffer[:8] + (
-            np.asarray([1, 1], dtype="<u1").tobytes() + struct.pack("<4H", ONE, TWO, ONE, TWO)
-            + _pack_bits(np.asarray([0, 4]), 4) + _pack_bits(np.asarray([0, 0]), 2))
-        part, problem = decode_part(hostile, (20,), compression.compression_type)
-        assert part.numel() == 0 and problem is not None and "rejected by its decoder" in problem
-        assert "index out of range" in problem, problem
-    finally:
-        uninstall(previous)
