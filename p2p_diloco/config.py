@@ -245,7 +245,8 @@ class OuterConfig:
 
     compression: CodecName = "none"
     """Codec for pseudo-gradients on the wire: fp16 halves the bytes, int8 quarters them, 4bit sends about
-    1/8 of fp32 (per-block scales). 'topk' sends the ``topk_k`` largest of every ``topk_chunk_size`` values at
+    1/8 of fp32 (per-block scales), 2bit 1/14 (a sign and one of two fitted levels per value; only with
+    ``error_feedback``, and its loss is not measured yet: BENCHMARKS.md). 'topk' sends the ``topk_k`` largest of every ``topk_chunk_size`` values at
     2 bits each with 12-bit positions: a sender's parts are 1/140 of fp32 at 64 of 4096; 'topk-sign' sends
     their signs only (1/153). A reducer answers a sparse codec with the aggregate's own top-k at 2 bits, so
     a round costs about 1/140 of fp32's bytes each way at any group size (1/134 measured). The sparse codecs
