@@ -50,7 +50,7 @@ def _holders_by_epoch(tmp: Path, names: list[str]) -> dict[int, dict[str, set[st
 
 
 ROUNDS_AFTER_SPLIT = 3
-"""Rounds within which the checksum vote must bring a peer holding the losing digest of a split round back."""
+"""Rounds within which a round that split in two groups must be closed: everybody on one digest again."""
 
 
 def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> None:
@@ -103,24 +103,23 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
     assert sum(r["outcome"] == "averaged" and r["group_size"] >= 2 for r in rounds["a"]) >= 3
 
     # Every peer that reached an epoch through the swarm holds the very same parameters, unless a round split into
-    # two groups (matchmaking is no global agreement): then the checksum vote (``core.evidence.outvoted``: the
-    # digest most peers hold, a tie to the lowest) makes every other holder resync within its next
-    # ROUNDS_AFTER_SPLIT rounds, unless it stopped first. Seen in CI rehearsals: joiner d gave a round up as the
-    # group it had just joined began its all-reduce (a and c averaged in a group of 2, b and d in another, b's
-    # next round resynced); and, with d joined at epoch 19, groups {a, b} and {c, d}, an even split: the next
-    # round's vote came before all the votes were readable, the four averaged together on two bases, and c
-    # resynced a round later. The splits themselves are open in issue 37's note.
-    for epoch, holders in _holders_by_epoch(tmp_path, list(procs)).items():
-        if len(holders) == 1:
-            continue
-        winner = min(holders, key=lambda sha: (-len(holders[sha]), sha))
-        others = {name for sha, names in holders.items() if sha != winner for name in names} - holders[winner]
-        for name in others:
-            after = [r for r in rounds[name] if r["epoch"] >= epoch][:ROUNDS_AFTER_SPLIT]
-            if len(after) < ROUNDS_AFTER_SPLIT:
-                continue  # stopped before the vote could reach it
-            assert any(r["outcome"] == "resynced" or "majority checksum" in (r.get("reason") or "")
-                       for r in after), (epoch, name, dict(holders), after)
+    # two groups (matchmaking is no global agreement). A split must close within ROUNDS_AFTER_SPLIT rounds: one of
+    # the next epochs is held by everybody with one digest. How it closes is the product's choice: the checksum
+    # vote (``core.evidence.outvoted``) sends one side to resync, or one side steps on first and the other finds
+    # itself behind and loads its state. Seen in CI rehearsals, each time in the round joiner d first joined:
+    # {a, c} and {b, d} (b resynced the round after); {a, b} and {c, d}, whose next round averaged the four on two
+    # bases before c resynced; {a, b} and {c, d} again, whose next round c and d averaged while a and b, behind,
+    # loaded their state. The splits themselves are open in issue 37's note.
+    holders_by_epoch = _holders_by_epoch(tmp_path, list(procs))
+    last = max(holders_by_epoch)
+    for epoch, holders in sorted(holders_by_epoch.items()):
+        if len(holders) == 1 or epoch + ROUNDS_AFTER_SPLIT > last:
+            continue  # one digest, or too near the end to see the split close
+        members = set().union(*holders.values())
+        closed = [e for e in range(epoch + 1, epoch + ROUNDS_AFTER_SPLIT + 1)
+                  if len(holders_by_epoch.get(e, {})) == 1 and members <= set().union(*holders_by_epoch[e].values())]
+        assert closed, (epoch, {e: dict(holders_by_epoch.get(e, {}))
+                                for e in range(epoch, epoch + ROUNDS_AFTER_SPLIT + 1)})
 
     # Loss falls on every original peer.
     assert_loss_fell(tmp_path, ["a", "b", "c"], by=1.0)
