@@ -51,9 +51,13 @@ goes through the same encoding (and error feedback) before it joins the others (
 every sender's contribution is its top-k, its own included. A part that fails to decode is rejected with
 the decoder's reason (``SparsePartError``) and the sender's data is dropped from the whole round.
 
-Known limits of error feedback on the wire: the residual is updated when a part is encoded, so a round
-that is skipped after its parts went out counts them as sent (the pseudo-gradient itself is kept as late
-work and sent again, so its share is not lost, but the old residual's share is); the late-work region is
+Known limits of error feedback on the wire: the residual is updated when a part is encoded, so after a round
+that is skipped once its parts went out, the residual holds their unsent remainder while the pseudo-gradient
+itself is kept (carried or late work) and sent again: that remainder counts twice. It is about one round's
+work against the roughly ``1 / (1 - decay)`` rounds a residual carries (20 at 0.95), and seen live: in the
+wire test's NaN round the honest peer's next reply was mostly its own entries. Undoing it exactly needs the
+part's pseudo-gradient or the old residual once the round failed, a second model-sized buffer for the
+round; resetting the residual instead would throw those 20 rounds' remainder away. The late-work region is
 sent without error feedback (no second model-sized residual), so late work under a sparse codec arrives as
 its top-k only; and a sender learns that a remote reducer rejected it only by being banned, so only a
 rejection by our own reducer resets our residuals (``swarm.round_process``).

@@ -300,7 +300,10 @@ class RoundProcessMixin:
             rejected.update(runner.rejected())
             reset = getattr(kwargs["compression"], "reset_residuals", None)
             if reset is not None and self.peer_id.to_base58() in rejected:
-                reset()  # our own reducer rejected our part: its error-feedback residual is not sent again
+                # our own reducer rejected our part: its error-feedback residual is not sent again
+                logger.warning("Our own reducer rejected our part (%s): forgetting the error-feedback residuals",
+                               rejected[self.peer_id.to_base58()])
+                reset()
             result.rejected = tuple(self._ban(rejected))
             if self._fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")

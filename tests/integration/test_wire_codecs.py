@@ -1,4 +1,4 @@
-"""Each wire codec (--compression none|fp16|int8|4bit, 4bit and topk with error feedback, topk with and without
+"""Each wire codec (--compression none|fp16|int8|4bit|2bit, 4bit and topk with error feedback, topk with and without
 crediting what the reply dropped) through a real 2-peer all-reduce: hivemind's butterfly all-reduce between two processes on loopback, with the codec plugged in
 exactly as run_peer plugs it (``session.wire_compression``).
 
@@ -9,6 +9,7 @@ one round per codec and writes what it received and the bytes it sent.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,13 +23,15 @@ FINGERPRINT = "0123456789abcdef"
 SHAPES = [(256, 256), (4096,)]
 # (codec, error feedback, credit what the reply dropped: OuterConfig.credit_undelivered)
 RUNS = [("none", False, True), ("fp16", False, True), ("int8", False, True), ("4bit", False, True),
-        ("4bit", True, True), ("topk", True, True), ("topk", True, False)]
+        ("2bit", False, True), ("4bit", True, True), ("topk", True, True), ("topk", True, False)]
 # Worst-case decode error relative to the largest input magnitude (core/codecs.py): fp16 keeps ~11
-# significant bits, int8 rounds to absmax/254, 4-bit (E3M0) to a third of the value. The reducer re-encodes
-# its reply, so a peer sees up to two such errors.
-REL_ERROR = {"none": 0.0, "fp16": 2 * 2**-11, "int8": 2 * 1.01 / 254, "4bit": 2 * 1.01 / 3}
-# Typical (mean) error relative to the mean magnitude: what a codec costs on the whole tensor.
-MEAN_REL_ERROR = {"none": 0.0, "fp16": 1e-3, "int8": 0.02, "4bit": 0.25}
+# significant bits, int8 rounds to absmax/254, 4-bit (E3M0) to a third of the value, 2-bit to at most its
+# block's largest magnitude (a value coded with the other level). The reducer re-encodes its reply, so a peer
+# sees up to two such errors.
+REL_ERROR = {"none": 0.0, "fp16": 2 * 2**-11, "int8": 2 * 1.01 / 254, "4bit": 2 * 1.01 / 3, "2bit": 2 * 1.01}
+# Typical (mean) error relative to the mean magnitude: what a codec costs on the whole tensor (these inputs
+# through both encodings, computed with the codecs alone: 4bit 0.247, 2bit 0.456).
+MEAN_REL_ERROR = {"none": 0.0, "fp16": 1e-3, "int8": 0.02, "4bit": 0.25, "2bit": 0.47}
 EF_ROUNDS = 3
 
 
@@ -67,8 +70,45 @@ def _run_peer(spec_path: str) -> None:
                                mean=[t.reshape(-1).tolist() for t in result.fresh_mean or []]))
         averager.shutdown()
         out.append(dict(codec=name, error_feedback=feedback, credit=credit, rounds=rounds))
+    out.append(dict(codec="nan-once", rounds=_nan_once_rounds(spec, dht, fresh)))
     Path(spec["out"]).write_text(json.dumps(out))
     dht.shutdown()
+
+
+class _NanOnce:
+    """Peer 1's fault hook for the NaN run: its first round's input is NaN (a peer whose training blew up),
+    later rounds are honest. It runs in the averager process, so its flag lives there."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, stage: str) -> float | None:
+        if stage == "corrupt_input" and not self.fired:
+            self.fired = True
+            return float("nan")
+        return None
+
+
+def _nan_once_rounds(spec: dict, dht: object, fresh: list[torch.Tensor]) -> list[dict]:
+    """topk with error feedback, two rounds, peer 1's first input NaN (see the test)."""
+    from p2p_diloco.swarm import RoundAverager, SwarmConfig
+    from p2p_diloco.swarm.hivemind_codecs import wire_compression
+
+    # the failed round ends at its all-reduce deadline: 15 s, not the loopback default's 30
+    cfg = SwarmConfig.for_loopback(initial_peers=spec["initial_peers"], matchmaking_timeout_s=60.0,
+                                   allreduce_timeout_s=15.0, next_chunk_timeout_s=5.0,
+                                   run_id=f"{spec['run_id']}-nan")
+    averager = RoundAverager(fresh, dht, cfg, fingerprint=FINGERPRINT,
+                             fault_hook=_NanOnce() if spec["index"] == 1 else None,
+                             compression=wire_compression("topk", True, credit_undelivered=True))
+    rounds = []
+    for epoch in range(2):
+        result = averager.average(fresh, 1.0, 0, epoch)
+        rounds.append(dict(outcome=result.outcome, reason=result.reason, group_size=result.group_size,
+                           bytes_sent=result.bytes_sent,
+                           mean=[t.reshape(-1).tolist() for t in result.fresh_mean or []]))
+    averager.shutdown()
+    return rounds
 
 
 @pytest.mark.slow
@@ -104,6 +144,8 @@ def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Pat
     sent: dict[str, int] = {}
     for p in range(2):
         for run in results[p]:
+            if run["codec"] == "nan-once":
+                continue  # checked below
             name, feedback = run["codec"], run["error_feedback"]
             for r in run["rounds"]:
                 assert r["outcome"] == "averaged" and r["group_size"] == 2, (name, r["reason"], logs[p])
@@ -138,6 +180,23 @@ def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Pat
             else:
                 sent[f"{name}/{p}"] = run["rounds"][0]["bytes_sent"]
 
+    # A NaN input under top-k with error feedback (peer 1, first round) is refused where it is encoded (the
+    # codec refuses non-finite values, and a NaN level would not decode): that round averages nothing at either
+    # peer, and peer 1's residuals stay as they were. Its next, honest round averages with peer 0 and sends
+    # full parts, as many bytes as peer 0's. (Checked against a mutant that stores the residual before
+    # encoding: peer 1's NaN residual then fails its next round too.) The mean itself says little of peer 1
+    # there: peer 0's parts of the failed round had gone out, so its residual carries their unsent remainder
+    # and its entries fill the reply's top-k (swarm.hivemind_codecs, "Known limits").
+    nan_rounds = [next(r for r in results[i] if r["codec"] == "nan-once")["rounds"] for i in range(2)]
+    for i in range(2):
+        assert nan_rounds[i][0]["outcome"] != "averaged", (i, nan_rounds[i][0], logs[i])
+        assert nan_rounds[i][1]["outcome"] == "averaged" and nan_rounds[i][1]["group_size"] == 2, \
+            (i, nan_rounds[i][1]["reason"], logs[i])
+    assert nan_rounds[0][1]["mean"] == nan_rounds[1][1]["mean"]
+    assert all(math.isfinite(v) for tensor in nan_rounds[0][1]["mean"] for v in tensor)
+    sent_after = [nan_rounds[i][1]["bytes_sent"] for i in range(2)]
+    assert 0.8 < sent_after[1] / sent_after[0] < 1.25, sent_after
+
     # Bytes are counted from the serialized messages actually sent, so they shrink with the codec.
     for p in range(2):
         none_bytes = sent[f"none/{p}"]
@@ -145,6 +204,7 @@ def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Pat
         assert 0.45 <= sent[f"fp16/{p}"] / none_bytes <= 0.55
         assert 0.2 <= sent[f"int8/{p}"] / none_bytes <= 0.3
         assert 0.1 <= sent[f"4bit/{p}"] / none_bytes <= 0.16
+        assert 0.06 <= sent[f"2bit/{p}"] / none_bytes <= 0.09  # 2.25 bits a value: 0.0703 before headers
 
 
 def _check_sparse(inputs: list[torch.Tensor], got: list[torch.Tensor], results: list, run: dict, p: int) -> None:
