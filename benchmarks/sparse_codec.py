@@ -177,6 +177,54 @@ def sweep_report(paths: dict[str, list[Path]], fp32_per_round: float, rows: dict
     return [*lines, "", "![sparse codec sweep](benchmarks/results/sparse_codec_sweep.png)"]
 
 
+MINI_SEEDS = [0, 1, 2]
+
+
+def mini_report(labels: list[str]) -> list[str]:
+    """Each of ``labels`` on the ``mini`` preset (4.9M parameters) at its best ``tiny`` cell of the stored sweep
+    (``sparse_codec_sweep.json``; ``mini`` is not swept), same settings otherwise, 3 seeds; runs the ones not
+    stored yet in ``sparse_codec_mini.json`` (minutes each on a CPU) and returns the table against ``none``."""
+    from p2p_diloco.simulate.__main__ import main as simulate_main
+
+    best = {label: sweep["best"]["diloco"]
+            for label, sweep in json.loads((RESULTS / "sparse_codec_sweep.json").read_text()).items()}
+    store = RESULTS / "sparse_codec_mini.json"
+    stored = json.loads(store.read_text()) if store.exists() else {}
+    for label in labels:
+        if label in stored:
+            continue
+        if label not in best:
+            raise SystemExit(f"--mini {label}: no sweep of it on tiny to take the outer settings from "
+                             f"(run --sweep {label} JSON first)")
+        cell = best[label]
+        out = RESULTS / f"sparse_codec_mini_{label}.json"
+        settings = ["--model", "mini", "--rounds", "20", "--modes", "diloco", "--outer-lrs", str(cell["outer_lr"]),
+                    "--outer-momenta", str(cell["outer_momentum"]), "--seeds", *map(str, MINI_SEEDS)]
+        base = [a for a in BASE if a not in ("--mode", "diloco")]
+        if simulate_main(["sweep", *base, *RUNS[label], *settings, "--json", str(out)]):
+            raise SystemExit(f"the mini sweep of {label} failed")
+        point = json.loads(out.read_text())["points"][0]
+        stored[label] = dict(seeds=MINI_SEEDS, finals=point["finals"], curves=point["curves"],
+                             outer_lr=cell["outer_lr"], outer_momentum=cell["outer_momentum"],
+                             settings="mini, 4 workers, H = 10, 20 rounds, batch 4 x 64")
+        store.write_text(json.dumps(stored, indent=1))
+        out.unlink()
+    base_loss = statistics.fmean(stored["none"]["finals"])
+    lines = [
+        "On `mini` (4.9M parameters; `benchmarks/sparse_codec.py --mini LABEL ...`): 4 workers, H = 10, 20 rounds,"
+        " batch 4 x 64, each codec at its best `tiny` cell (not swept on `mini`), seeds"
+        f" {MINI_SEEDS}; `benchmarks/results/sparse_codec_mini.json`.",
+        "",
+        "| codec | outer lr | momentum | final eval loss | vs none |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, row in stored.items():
+        loss = statistics.fmean(row["finals"])
+        lines.append(f"| {LABELS[label]} | {row['outer_lr']:g} | {row['outer_momentum']:g} | "
+                     f"{loss:.4f} ± {statistics.stdev(row['finals']):.4f} | {100 * (loss / base_loss - 1):+.2f}% |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -185,6 +233,9 @@ def main() -> None:
     parser.add_argument("--sweep", nargs=2, action="append", default=[], metavar=("LABEL", "JSON"),
                         help="a `simulate sweep --json` result for LABEL (none, topk_ef095_credit, ...): "
                              "writes the sweep-at-best-settings table")
+    parser.add_argument("--mini", nargs="+", default=[], metavar="LABEL",
+                        help="run LABEL (none, 4bit, 2bit_ef095, ...) on the mini preset at its best tiny cell, "
+                             "3 seeds, unless stored; writes the mini table")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows: dict[str, list[dict]] = {}
@@ -218,6 +269,10 @@ def main() -> None:
             paths.setdefault(label, []).append(Path(path))
         table = sweep_report(paths, fp32_per_round, rows)
         replace_section(ROOT / "BENCHMARKS.md", "sparse-codec-sweep", "\n".join(table))
+        print("\n".join(table))
+    if args.mini:
+        table = mini_report(args.mini)
+        replace_section(ROOT / "BENCHMARKS.md", "sparse-codec-mini", "\n".join(table))
         print("\n".join(table))
 
 

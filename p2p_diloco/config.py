@@ -246,21 +246,20 @@ class OuterConfig:
     compression: CodecName = "none"
     """Codec for pseudo-gradients on the wire: fp16 halves the bytes, int8 quarters them, 4bit sends about
     1/8 of fp32 (per-block scales), 2bit 1/14 (a sign and one of two fitted levels per value; only with
-    ``error_feedback``, and its loss is not measured yet: BENCHMARKS.md). 'topk' sends the ``topk_k`` largest of every ``topk_chunk_size`` values at
-    2 bits each with 12-bit positions: a sender's parts are 1/140 of fp32 at 64 of 4096; 'topk-sign' sends
-    their signs only (1/153). A reducer answers a sparse codec with the aggregate's own top-k at 2 bits, so
-    a round costs about 1/140 of fp32's bytes each way at any group size (1/134 measured). The sparse codecs
-    need ``error_feedback`` (98% of each round's values wait in it for a later round) and a larger outer step
-    than dense codecs. Measured (BENCHMARKS.md, "Sparse-codec", tiny preset, 4 workers, 20 rounds of H = 10,
-    3 seeds, each codec at its best outer settings of a sweep): none 2.2973 at lr 1, momentum 0; topk 64/4096
-    with error feedback 0.95 and the reply's leftovers credited back at lr 3, momentum 0: 2.4148, +5.1% at
-    1/134 of the bytes (lr 1 without momentum, the published setting, was +18.5%); 4bit cost 0.05% (one
-    seed) at 1/7.8 of the bytes. The swarm credits the reply's leftovers too (``credit_undelivered``; at
-    lr 1 crediting cut the gap from 19.9% to 15.4%). So the default stays 'none' (nothing to tune, exact); choose 4bit on home links (a
-    loss cost not measurable here), and topk when the uplink bounds the round (1B+ models at 10-50 Mbit/s)
-    and a few percent of loss at equal steps is worth 18x fewer bytes than 4bit: then set ``lr`` from
-    ``python -m p2p_diloco.simulate sweep --compression topk --error-feedback`` at your H and k (about 3 with
-    momentum 0 here, not the dense codecs' 1)."""
+    ``error_feedback``). 'topk' sends the ``topk_k`` largest of every ``topk_chunk_size`` values at 2 bits
+    with 12-bit positions (1/140 of fp32 at 64 of 4096; 'topk-sign': signs only, 1/153), and the reducers
+    answer with the aggregate's own top-k, so a round costs about 1/140 each way at any group size. The
+    sparse codecs need ``error_feedback`` (98% of each round's values wait in it) and a larger outer step.
+    Measured (BENCHMARKS.md, "Sparse-codec": tiny preset, 4 workers, 20 rounds of H = 10, 3 seeds, each codec
+    at its best cell of an outer-lr sweep, momentum 0 best for all): none 2.2973 at lr 1; 4bit +0.36% at lr 1
+    and 1/7.8 of the bytes; 2bit with error feedback 0.95 +1.11% at lr 1 and 1/14.2; topk 64/4096 with error
+    feedback 0.95 and the reply's leftovers credited (``credit_undelivered``) +4.5% at lr 4 and 1/134 (lr 1,
+    the published setting: +18.5%); topk 32/4096 +5.6% at lr 5 and 1/257. So the default stays 'none'
+    (nothing to tune, exact); choose 4bit on home links (its cost is within the seeds' spread, on mini too),
+    2bit with error feedback when 4bit's round is still too long, and topk when the uplink bounds the round
+    (1B+ models at 10-50 Mbit/s) and a few percent of loss at equal steps is worth 18x fewer bytes than 4bit;
+    then set ``lr`` from ``python -m p2p_diloco.simulate sweep --compression topk --error-feedback`` at your
+    model, H and k (3-4 here, not the dense codecs' 1; tiny's best, 4, cost +10% on mini, where 3 cost +4%)."""
 
     topk_chunk_size: int = 4096
     """Values per chunk for the sparse codecs (a power of two, 16-32768): top-k is taken per chunk, so every
@@ -291,7 +290,7 @@ class OuterConfig:
     identical; only this peer's private residual changes. Costs no bytes and about 0.03 bytes per parameter
     for one round (the sent parts' payloads). Measured (BENCHMARKS.md, "Sparse-codec", simulator, tiny preset,
     topk 64/4096, error feedback 0.95, outer lr 1): +19.9% eval loss against none without, +15.4% with; the
-    sweep's best settings (lr 3, +5.1%) were found with it on. So it is on; turn it off
+    sweep's best settings (lr 4, +4.5%) were found with it on. So it is on; turn it off
     (``--credit-undelivered false``; the simulator reads the same flag) only to measure or reproduce a run
     without it. Ignored by the dense codecs, whose replies drop nothing (an entry a dense reply rounds to 0
     was delivered), and without error feedback, where there is no residual to credit."""
