@@ -183,7 +183,8 @@ MINI_SEEDS = [0, 1, 2]
 def mini_report(labels: list[str]) -> list[str]:
     """Each of ``labels`` on the ``mini`` preset (4.9M parameters) at its best ``tiny`` cell of the stored sweep
     (``sparse_codec_sweep.json``; ``mini`` is not swept), same settings otherwise, 3 seeds; runs the ones not
-    stored yet in ``sparse_codec_mini.json`` (minutes each on a CPU) and returns the table against ``none``."""
+    stored in ``sparse_codec_mini.json`` at that cell (minutes each on a CPU) and returns the table against
+    ``none``."""
     from p2p_diloco.simulate.__main__ import main as simulate_main
 
     best = {label: sweep["best"]["diloco"]
@@ -191,12 +192,13 @@ def mini_report(labels: list[str]) -> list[str]:
     store = RESULTS / "sparse_codec_mini.json"
     stored = json.loads(store.read_text()) if store.exists() else {}
     for label in labels:
-        if label in stored:
-            continue
         if label not in best:
             raise SystemExit(f"--mini {label}: no sweep of it on tiny to take the outer settings from "
                              f"(run --sweep {label} JSON first)")
         cell = best[label]
+        row = stored.get(label)
+        if row is not None and (row["outer_lr"], row["outer_momentum"]) == (cell["outer_lr"], cell["outer_momentum"]):
+            continue  # stored at the current best tiny cell; a row of an older best is run again
         out = RESULTS / f"sparse_codec_mini_{label}.json"
         settings = ["--model", "mini", "--rounds", "20", "--modes", "diloco", "--outer-lrs", str(cell["outer_lr"]),
                     "--outer-momenta", str(cell["outer_momentum"]), "--seeds", *map(str, MINI_SEEDS)]
