@@ -1,16 +1,36 @@
-"""Checks a peer runs once at start, on what the swarm's records say: another model, another release."""
+"""Checks a peer runs once at start: room in ``/dev/shm`` for the tensors it shares with its averager process,
+and, on what the swarm's records say, another model or another release."""
 
 from __future__ import annotations
 
 import logging
 import threading
 
+import torch
+
 from p2p_diloco.core.evidence import Evidence
+from p2p_diloco.core.peer_state import OuterState
+from p2p_diloco.shared_memory import check_room, share_before_fork
 from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
+
+
+def share_host_state(state: OuterState, params: list[torch.Tensor]) -> None:
+    """Put the host tensors the training process keeps writing (anchors, momentum, a CPU peer's weights) in
+    shared memory before ``Swarm.start`` forks the DHT and averager processes, so that those do not keep
+    private copies of them (``p2p_diloco.shared_memory``); first check that ``/dev/shm`` holds them
+    (``SwarmStartError`` naming the fix when it does not)."""
+    host = [*state.anchors, *(b for b in state.outer.momentum_buffers() if b is not None),
+            *(p for p in params if p.device.type == "cpu")]
+    already = sum(t.numel() * t.element_size() for t in host if t.is_shared())
+    problem = check_room(state.numel, weights_on_cpu=any(p.device.type == "cpu" for p in params),
+                         already_shared=already)
+    if problem is not None:
+        raise SwarmStartError(problem)
+    share_before_fork(host)
 
 
 def refuse_other_models(swarm: Swarm, evidence: Evidence, fingerprint: str, run_id: str) -> None:

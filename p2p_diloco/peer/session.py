@@ -50,14 +50,12 @@ from p2p_diloco.core.rounds import STALL_HINTS, Outcome, RoundPolicy, RoundRepor
 from p2p_diloco.data.loader import DataPosition
 from p2p_diloco.host_memory import trim_before_fork
 from p2p_diloco.inner_stats import InnerStats
-from p2p_diloco.peer.admission import refuse_other_models, warn_other_versions
+from p2p_diloco.peer.admission import refuse_other_models, share_host_state, warn_other_versions
 from p2p_diloco.peer.config import PeerConfig
 from p2p_diloco.peer.eager import EagerOverlap
 from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
-from p2p_diloco.shared_memory import check_room, share_before_fork
-from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.hivemind_codecs import wire_compression
@@ -190,7 +188,7 @@ class SwarmSession:
         """Start the DHT and averager, then bring the state up to the swarm's. Returns how it started.
 
         ``SwarmStartError`` when ``/dev/shm`` cannot hold the shared tensors (``p2p_diloco.shared_memory``)."""
-        self._share_before_fork()
+        share_host_state(self.state, self.params)  # before the fork; SwarmStartError without room
         trim_before_fork()  # the private copies just freed must not be inherited (host_memory)
         self.swarm.start()
         self.driver.peer_id = self.peer_id
@@ -210,19 +208,6 @@ class SwarmSession:
                 self.driver.new_state()
                 how = f"joined at epoch {self.epoch}"
         return how
-
-    def _share_before_fork(self) -> None:
-        """Put the host tensors this process keeps writing (anchors, momentum, a CPU peer's weights) in shared
-        memory before ``swarm.start()`` forks the DHT and averager processes, so that those do not keep
-        private copies of them (``p2p_diloco.shared_memory``); first check that ``/dev/shm`` holds them."""
-        host = [*self.state.anchors, *(b for b in self.state.outer.momentum_buffers() if b is not None),
-                *(p for p in self.params if p.device.type == "cpu")]
-        already = sum(t.numel() * t.element_size() for t in host if t.is_shared())
-        problem = check_room(self.state.numel, weights_on_cpu=any(p.device.type == "cpu" for p in self.params),
-                             already_shared=already)
-        if problem is not None:
-            raise SwarmStartError(problem)
-        share_before_fork(host)
 
     def close(self) -> None:
         if self.port.overlap is not None:
