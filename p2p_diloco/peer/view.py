@@ -97,11 +97,19 @@ class SwarmView:
         if result.averaged:
             self.evidence.averaged_with(result.contributors)
 
-    def left_behind(self, epoch: int) -> bool:
+    def left_behind(self, epoch: int, window_open: bool = False) -> bool:
         """Read the records again: has every peer this one believes moved past ``epoch`` (``Evidence.left_behind``)?
-        A peer that missed its group then stops waiting for one; the round policy resyncs it next."""
+        A peer that missed its group then stops waiting for one; the round policy resyncs it next.
+
+        ``window_open``: asked while this peer's matchmaking window is still open, where it must also find each
+        of them finished that round (``Evidence.round_over``: their checksums of ``epoch + 1``, read only once
+        the records already say they moved on)."""
         self.records()
-        return self.evidence.left_behind(self.claims, epoch)
+        if not self.evidence.left_behind(self.claims, epoch):
+            return False
+        if not window_open:
+            return True
+        return self.evidence.round_over(self.claims, epoch, self.swarm.checksum_votes(epoch + 1))
 
     def phase_elapsed(self, epoch: int, floor_s: float) -> float:
         """How far the believed peers are into the inner phase of ``epoch`` (``core.dylu.phase_elapsed_s``

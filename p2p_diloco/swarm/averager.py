@@ -61,8 +61,9 @@ logger = logging.getLogger(__name__)
 _HOST_GRACE_S = 10.0
 LEFT_BEHIND_POLL_S = 2.0
 """While this peer looks for a group, how often ``average(left_behind=...)`` asks whether the swarm left this
-epoch behind. Each ask reads the progress records from the DHT (a few KB); a few seconds is far below
-``matchmaking_timeout_s`` (60 s by default), which is what a peer that missed its group waited before."""
+epoch behind. Each ask reads the progress records from the DHT (a few KB; within the window, once they say the
+others moved on, their checksums too); a few seconds is far below ``matchmaking_timeout_s`` (60 s by default),
+which is what a peer that missed its group waited before."""
 
 
 class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, StateSharingMixin,
@@ -192,7 +193,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         stale_weight: float = 0.0,
         due: Collection[str] = (),
         copy_out: bool = True,
-        left_behind: Callable[[], bool] | None = None,
+        left_behind: Callable[[bool], bool] | None = None,
         step_back: bool = True,
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
@@ -214,12 +215,12 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         :param copy_out: return the fresh mean as a copy. ``False`` returns views of the shared buffer, valid
           until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
           model-sized copy per round).
-        :param left_behind: asked every ``LEFT_BEHIND_POLL_S`` once the round's matchmaking window has passed
-          and no group has formed yet (on this thread, which only waits then); ``True`` asks the averager
-          process to give the round up (``Evidence.left_behind``: every peer this one believes is past
-          ``epoch``), which it does only while no group has formed: the result is then skipped with
-          ``left_behind``, else the group's own (see ``_wait``). ``None``: wait up to
-          ``matchmaking_timeout_s``.
+        :param left_behind: asked every ``LEFT_BEHIND_POLL_S`` while no group has formed yet (on this thread,
+          which only waits then), with whether the round's matchmaking window is still open; ``True`` asks the
+          averager process to give the round up (``Evidence.left_behind``: every peer this one believes is past
+          ``epoch``; within the window also ``Evidence.round_over``: each of them finished the round), which it
+          does only while no group has formed: the result is then skipped with ``left_behind``, else the
+          group's own (see ``_wait``). ``None``: wait up to ``matchmaking_timeout_s``.
         """
         if fresh is not None:
             self._check_tensors("fresh", fresh)
@@ -291,25 +292,35 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         return self._make_result(result, epoch, budget, copy_out)
 
     @staticmethod
-    def _wait(control: StepControl, budget: float, left_behind: Callable[[], bool] | None,
+    def _wait(control: StepControl, budget: float, left_behind: Callable[[bool], bool] | None,
               after_s: float = 0.0, give_up: Callable[[], None] | None = None) -> RoundResult:
         """``control``'s result within ``budget`` seconds (``TimeoutError`` past it). While the averager
-        process still looks for a group, ``left_behind()`` is asked, first ``after_s`` seconds into the search
-        (the round's window), then every ``LEFT_BEHIND_POLL_S``; once it says so, ``give_up()`` asks the
-        averager process to stop the search (``commands.GiveUp``), and the wait goes on for the round's own
-        result: ``left_behind`` when the search stopped before a group formed, else the group's all-reduce.
+        process still looks for a group, ``left_behind(window_open)`` is asked every ``LEFT_BEHIND_POLL_S``, and
+        once more the moment the round's window (``after_s`` seconds into the search) ends, with whether it is
+        still open; once it says so, ``give_up()`` asks the averager process to stop the search
+        (``commands.GiveUp``), and the wait goes on for the round's own result: ``left_behind`` when the search
+        stopped before a group formed, else the group's all-reduce.
 
         Why the process decides and not this thread: the stage this thread reads lags the process. A group can
         form between the read and the request; had this thread then dropped the round, the group's other
         members would apply an update this peer never applied (a group split, seen in a CI run). The process
         answers on the loop where groups form, so a round whose group formed always runs to its result.
 
-        Why not before the window ends: a record one epoch ahead does not always mean the round is over. An
-        eager peer publishes ``e + 1`` while its all-reduce of ``e`` still looks for a group, and any leader
-        still assembling ``e`` waits at most its window for this peer. Past the window, with every believed
-        peer past ``e``, the group of ``e`` formed without this peer."""
+        Why the question differs before the window ends: a record one epoch ahead does not always mean the
+        round is over. An eager peer publishes ``e + 1`` while its all-reduce of ``e`` still looks for a group,
+        and any leader still assembling ``e`` waits at most its window for this peer. Past the window, with
+        every believed peer past ``e``, the group of ``e`` formed without this peer; within it, the peers
+        must also have finished ``e`` (``Evidence.round_over``). Why ask within it at all: a peer that starts
+        its search after the others' group formed (its catch-up outlasted their inner phase) otherwise waits
+        out its whole window alone, and arrives late for the next round as well."""
         began = time.monotonic()
-        deadline, ask_at = began + budget, began + after_s
+        deadline, window_end = began + budget, began + after_s
+
+        def next_ask(now: float) -> float:
+            ask = now + LEFT_BEHIND_POLL_S
+            return min(ask, window_end) if now < window_end else ask
+
+        ask_at = next_ask(began)
         asking = left_behind is not None and give_up is not None
         while True:
             now = time.monotonic()
@@ -317,13 +328,13 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             if remaining <= 0:
                 raise TimeoutError
             try:
-                # first asked the moment the window ends, then every LEFT_BEHIND_POLL_S
                 return control.result(timeout=remaining if not asking else min(remaining, max(0.05, ask_at - now)))
             except TimeoutError:
-                if not asking or time.monotonic() < ask_at:
+                now = time.monotonic()
+                if not asking or now < ask_at:
                     continue
-                ask_at = time.monotonic() + LEFT_BEHIND_POLL_S
-                if control.stage == AveragingStage.LOOKING_FOR_GROUP and left_behind():
+                ask_at = next_ask(now)
+                if control.stage == AveragingStage.LOOKING_FOR_GROUP and left_behind(now < window_end):
                     give_up()
                     asking = False  # asked once; the process's answer is the round's result
 

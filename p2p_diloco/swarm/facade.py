@@ -245,7 +245,7 @@ class Swarm:
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True,
-                left_behind: Callable[[], bool] | None = None) -> RoundResult:
+                left_behind: Callable[[bool], bool] | None = None) -> RoundResult:
         """One round; the group forms as soon as every peer due in it has joined. Who is due comes from the
         records the round policy's observation just read (:meth:`records`), see ``swarm.quorum``.
         ``copy_out=False``: the fresh mean is a view of the shared buffer; ``left_behind``: asked while no

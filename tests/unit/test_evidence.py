@@ -183,6 +183,23 @@ def test_left_behind_needs_every_believed_peer_past_the_epoch() -> None:
     assert ev.left_behind([Claim("me", 3), Claim("b", 4), Claim("sybil0", 3)], 3)
 
 
+def test_a_round_is_over_within_the_window_only_when_every_believed_peer_finished_it() -> None:
+    ev = Evidence("me")
+    ahead = [Claim("me", 3), Claim("a", 4), Claim("b", 5)]
+    assert ev.round_over(ahead, 3, {"a", "b"})  # both moved on and published their checksum of epoch 4
+    # an eager peer publishes epoch 4 while its all-reduce of 3 may still look for a group: no checksum, no end
+    assert not ev.round_over(ahead, 3, {"a"})
+    assert not ev.round_over(ahead, 3, set())
+    # a checksum of a peer still at this epoch ends nothing (left_behind's rule comes first)
+    assert not ev.round_over([Claim("me", 3), Claim("a", 4), Claim("b", 3)], 3, {"a", "b"})
+    assert not ev.round_over([Claim("me", 3)], 3, {"me"})  # alone: nobody to have finished it
+    # anchored: Sybils' votes and records count for nothing, the trusted peer's decide
+    ev.averaged_with(["b"])
+    sybils = [Claim(s, 4) for s in SYBILS]
+    assert not ev.round_over([Claim("me", 3), Claim("b", 4), *sybils], 3, set(SYBILS))
+    assert ev.round_over([Claim("me", 3), Claim("b", 4), *sybils], 3, {"b"})
+
+
 def test_forgiven_downloads_are_counted_for_the_peer_not_per_donor_identity() -> None:
     """k Sybils taking turns, each serving a few chunks then raising its claim: per identity they got 3k
     forgiven failed downloads; now the peer forgives MOVED_ON_PASSES in a row, whoever served them."""

@@ -56,6 +56,8 @@ class ScriptedSwarm:
     withdrawn_updates: int = 0
     served: list[tuple[int, bool]] = field(default_factory=list)
     """``(epoch, checksum published)`` of every ``serve``."""
+    votes_read: list[int] = field(default_factory=list)
+    """The epoch of every ``checksum_votes`` read."""
 
     def records(self) -> list[SimpleNamespace]:
         return [SimpleNamespace(peer_id=p, epoch=e, client_mode=False, steps_per_s=self.speeds.get(p, 1.0),
@@ -64,6 +66,7 @@ class ScriptedSwarm:
                 for p, e in self.claims.items()]
 
     def checksum_votes(self, epoch: int) -> dict[str, str]:
+        self.votes_read.append(epoch)
         return dict(self.votes)
 
     def download(self, templates, min_epoch, timeout=None, trusted=None, backed=None):  # noqa: ANN001, ANN201
@@ -221,11 +224,18 @@ def test_port_gives_a_round_up_when_every_trusted_peer_moved_past_it() -> None:
     port, _ = _port(swarm)
     swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
     port.average(sent([torch.zeros(4)]), 1.0, 0, 3, 0.0)
-    assert swarm.left_behind is not None and not swarm.left_behind()
+    assert swarm.left_behind is not None and not swarm.left_behind(False)
     swarm.claims["a"] = 4
-    assert not swarm.left_behind()  # b still looks for the group of epoch 3
+    assert not swarm.left_behind(False)  # b still looks for the group of epoch 3
+    assert not swarm.left_behind(True) and not swarm.votes_read  # the checksums are read only once all moved on
     swarm.claims["b"] = 5
-    assert swarm.left_behind()  # the records are read again on each ask
+    assert swarm.left_behind(False)  # the records are read again on each ask
+    # within the window, a record ahead is not enough (an eager peer's may be): each must have finished epoch 3,
+    # as its checksum of epoch 4 shows
+    swarm.votes = {"a": "d"}
+    assert not swarm.left_behind(True) and swarm.votes_read == [4]
+    swarm.votes = {"a": "d", "b": "d"}
+    assert swarm.left_behind(True)
 
 
 def test_port_checksum_vote_counts_groupmates_not_sybils() -> None:

@@ -367,7 +367,7 @@ def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.
     asked: list[int] = []
     requests: list[int] = []
 
-    def left_behind() -> bool:
+    def left_behind(window_open: bool) -> bool:
         asked.append(1)
         return len(asked) >= 2  # the swarm moves on between the first and the second ask
 
@@ -383,18 +383,30 @@ def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.
     joined = _Control(AveragingStage.LOOKING_FOR_GROUP, formed, answer_after=20)
     assert RoundAverager._wait(joined, 60.0, left_behind, give_up=lambda: requests.append(1)) is formed  # type: ignore[arg-type]
     assert not joined.cancelled and requests == [1]
-    # Within the round's window nobody is asked: a record ahead may be an eager peer still averaging this epoch.
-    asked.clear(), requests.clear()
+    # Within the round's window the question says so (a record ahead may be an eager peer still averaging this
+    # epoch: only the others' finished round may end the search, Evidence.round_over), and a "no" goes on waiting.
+    opens: list[bool] = []
+    requests.clear()
     patient = _Control(AveragingStage.LOOKING_FOR_GROUP, RoundResult(Outcome.AVERAGED, "", 3), answer_after=50)
-    assert RoundAverager._wait(patient, 60.0, lambda: asked.append(1) or True, after_s=3600.0,  # type: ignore[arg-type]
-                               give_up=lambda: requests.append(1)).averaged
-    assert not requests
-    assert not patient.cancelled and not asked
+    assert RoundAverager._wait(patient, 60.0, lambda window_open: opens.append(window_open) or not window_open,  # type: ignore[arg-type]
+                               after_s=3600.0, give_up=lambda: requests.append(1)).averaged
+    assert not requests and not patient.cancelled
+    assert len(opens) >= 10 and all(opens)  # asked every LEFT_BEHIND_POLL_S, each time with the window open
+    # ... and the window's end is asked at once, as closed: a peer left behind gives up then.
+    opens.clear(), requests.clear()
+    stopped_late = _Control(AveragingStage.LOOKING_FOR_GROUP, stopped, answer_after=10**6)
+    monkeypatch.setattr(averager, "LEFT_BEHIND_POLL_S", 60.0)  # no poll before the window ends
+    began = time.monotonic()
+    assert RoundAverager._wait(stopped_late, 60.0, lambda window_open: opens.append(window_open) or not window_open,  # type: ignore[arg-type]
+                               after_s=0.2, give_up=lambda: (requests.append(1), setattr(stopped_late, "_answer_after", 0))
+                               ) is stopped
+    assert opens == [False] and requests == [1] and time.monotonic() - began < 30
+    monkeypatch.setattr(averager, "LEFT_BEHIND_POLL_S", 0.01)
     # Once the all-reduce runs, the round is never abandoned: it is waited for until its result.
     done = RoundResult(Outcome.AVERAGED, "", 3)
     running = _Control(AveragingStage.RUNNING_ALLREDUCE, done, answer_after=3)
-    asked.clear()
-    assert RoundAverager._wait(running, 60.0, lambda: True, give_up=lambda: requests.append(1)) is done  # type: ignore[arg-type]
+    asked.clear(), requests.clear()
+    assert RoundAverager._wait(running, 60.0, lambda window_open: True, give_up=lambda: requests.append(1)) is done  # type: ignore[arg-type]
     assert not running.cancelled and not asked and not requests
     # Without the question, a round waits its whole budget, in one wait.
     alone = _Control(AveragingStage.LOOKING_FOR_GROUP)
