@@ -44,6 +44,8 @@ from typing import Any
 
 import psutil
 
+from p2p_diloco.peer.runlog import read_records
+
 logger = logging.getLogger("memory")
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,17 +169,7 @@ class Sampler(threading.Thread):
 
 
 def _rows(path: Path, kind: str) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("event") == kind:
-            rows.append(row)
-    return rows
+    return read_records(path, kind)
 
 
 def save_shaped_model(shape: str, seq_len: int, folder: Path) -> None:

@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.testbed import Testbed, install_signal_teardown, missing_requirements, start_swarm, wait_peers
+from p2p_diloco.peer.runlog import read_records
 
 PEERS = 4
 FAST = ["--matchmaking-time-s", "3", "--matchmaking-timeout-s", "15", "--allreduce-timeout-s", "60",
@@ -59,8 +60,7 @@ def run_path(path: str, rate_mbit: float, model: str, rounds: int, out: Path) ->
     rows = {}
     for name in procs:
         if name != "bootstrap":
-            lines = (out / path / f"{name}.jsonl").read_text().splitlines()
-            rows[name] = [r for r in map(json.loads, lines) if r["event"] == "round"]
+            rows[name] = read_records(out / path / f"{name}.jsonl", "round")
     whole = defaultdict(int)
     for rs in rows.values():
         for r in rs:

@@ -37,6 +37,7 @@ from benchmarks.testbed import (
     wait_for_maddr,
     wait_peers,
 )
+from p2p_diloco.peer.runlog import read_records
 
 logger = logging.getLogger("perf_swarm")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,10 +71,7 @@ def fresh(name: str) -> Path:
 
 
 def read_log(path: Path, kind: str = "round") -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["event"] == kind]
+    return read_records(path, kind)
 
 
 def _boot(bed: Testbed, out: Path) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.demo import wait_for_maddr
+from p2p_diloco.peer.runlog import read_records
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MATCHMAKING_TIME_S = 15.0
@@ -48,9 +49,7 @@ def _env() -> dict[str, str]:
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path)
 
 
 def run_mode(mode: str, rounds: int, work: Path) -> dict[str, Any]:

@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.peer.runlog import read_records
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL, SEQ_LEN, BATCH, INNER_LR, WARMUP, H, EVAL_BATCHES = "tiny", 128, 16, 1e-3, 20, 20, 8
@@ -293,15 +295,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int:
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_records(path)  # the hivemind side's log has the same shape: one JSON object per line
 
 
 # ---------------------------------------------------------------------------------------------- summary

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from p2p_diloco.core.rounds import Outcome
 from p2p_diloco.demo import wait_for_maddr  # noqa: F401 - the tests import it from here
+from p2p_diloco.peer.runlog import read_records
 
 # Loopback timings: rounds of a few seconds. Every peer of a test shares them. DyLU is held at H
 # (min-local-steps = local-steps): peers sharing this machine's two cores are not independent hardware,
@@ -107,11 +107,7 @@ def wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, in
 
 
 def events(tmp: Path, name: str, kind: str | None = None) -> list[dict]:
-    path = tmp / f"{name}.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r["event"] == kind]
+    return read_records(tmp / f"{name}.jsonl", kind)
 
 
 def assert_loss_fell(tmp: Path, names: list[str], by: float) -> None:

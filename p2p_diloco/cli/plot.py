@@ -15,7 +15,6 @@ matplotlib draws it (``pip install matplotlib``; the ``dev`` and ``tracking`` ex
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from typing import Any
 
 from p2p_diloco.cli.common import Parser, usage_error
 from p2p_diloco.core.rounds import Outcome
+from p2p_diloco.peer.runlog import read_records
 
 PROG = "run_peer plot"
 OUTCOME_COLORS = {Outcome.AVERAGED.value: "tab:green", Outcome.FOLDED_LATE.value: "tab:blue",
@@ -53,20 +53,11 @@ def read_log(path: Path) -> PeerLog:
     """Parse one ``--log-file``; raises ``ValueError`` naming the file and line of a malformed record."""
     log = PeerLog(path.stem)
     tokens_per_step, tokens, last_time = 0, 0, None
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{number} is not JSON; pass the JSON-lines files run_peer --log-file "
-                             "writes") from None
-        if not isinstance(record, dict) or _number(record.get("time")) is None:
-            raise ValueError(f"{path}:{number} is not a run_peer log record (no event time)")
+    if not path.exists():
+        raise ValueError(f"cannot read {path}: No such file or directory")
+    for number, record in enumerate(read_records(path), 1):
+        if _number(record.get("time")) is None:
+            raise ValueError(f"{path}: record {number} is not a run_peer log record (no event time)")
         event, when = record.get("event"), float(record["time"])
         if event == "start":
             config = record.get("config") or {}

@@ -7,6 +7,7 @@ import math
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 
@@ -44,3 +45,33 @@ class RunLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def read_records(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The records of a ``--log-file`` (only those of ``event`` when given), also while its peer still writes it.
+
+    Only lines that end in a newline are records: a reader can see the line being appended half written (a
+    write of a long record is not atomic for a reader in another process), so the text after the last newline
+    is left for the next read. A missing file has no records yet. A complete line that is not a JSON object
+    raises ``ValueError`` naming the file and line: that is not a log this module wrote.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    records = []
+    for number, line in enumerate(text[: text.rfind("\n") + 1].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{number} is not JSON; pass the JSON-lines files run_peer --log-file "
+                             "writes") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number} is not a run_peer log record (not a JSON object)")
+        if event is None or record.get("event") == event:
+            records.append(record)
+    return records

@@ -8,7 +8,6 @@ Needs root and iptables (CI has both); skips with the reason elsewhere.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from swarm_procs import FAST, START_TOGETHER
 from benchmarks.testbed import MADDR, Testbed, missing_requirements, start_swarm, wait_peers
 from p2p_diloco.cli.run_bootstrap import READY_LINE
 from p2p_diloco.demo import announced
+from p2p_diloco.peer.runlog import read_records
 
 
 def _prefix(tag: str) -> str:
@@ -66,9 +66,7 @@ LIFE_S = 60 + ROUNDS * 70
 
 
 def _rounds(out: Path, name: str) -> list[dict]:
-    path = out / f"{name}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return [r for r in rows if r["event"] == "round"]
+    return read_records(out / f"{name}.jsonl", "round")
 
 
 def _tail(out: Path, name: str) -> str:
@@ -161,8 +159,7 @@ def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Pat
     # it downloaded the others' state through the relay: at start (it came up after they stepped on) or after
     # its slow first round (a first download may fail when its donors step on meanwhile)
     slow = rounds["peer3"]
-    starts = [json.loads(line) for line in (tmp_path / "peer3.jsonl").read_text().splitlines()
-              if line.strip() and json.loads(line)["event"] == "start"]
+    starts = read_records(tmp_path / "peer3.jsonl", "start")
     assert (starts and starts[0]["how"].startswith("joined")) or any(r["outcome"] == "resynced" for r in slow), (
         starts[:1], [(r["outcome"], r["reason"]) for r in slow])
     assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
