@@ -7,37 +7,40 @@ in which every member reports whether its own view of the first one was complete
 confirms is the round "averaged"; any failure anywhere makes it "skipped" for everyone who hears of it, so a
 partial average is never returned as the full one.
 
-``RoundAverager`` subclasses hivemind's ``DecentralizedAverager`` rather than wrapping it because the pieces it
-changes are hooks of that class that run inside its background process: the per-round step (``_step``) and
-the aggregation of a formed group (``_aggregate_with_group``), both in ``round_process.RoundProcessMixin``. The group registry and shutdown come from
-``registry.GroupRegistryMixin``, matchmaking timing from ``patience``, access checks from
-``access.AccessControlMixin`` and state serving from ``state.StateSharingMixin``; the rest is hivemind's.
+``RoundAverager`` subclasses hivemind's ``DecentralizedAverager`` rather than wrapping it because what it
+changes are hooks of that class that run inside its background process: the RPC handlers, the registration
+of handlers, shutdown and the command loop. Each such hook is one method here, in this one class, that hands
+the work to the ``averager_process.AveragerProcess`` made in that process (``run``): rounds
+(``round_process``), access checks (``access``) and state chunks (``chunk_transfer``). The rest of this class
+is the training process's side: ``average``, the buffers, bans and the state this peer serves.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
-import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
 import hivemind
 import torch
 from hivemind.averaging.averager import DecentralizedAverager
-from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, NoCompression
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
 from p2p_diloco.core.bounds import l2_norm
 from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.rounds import Outcome, RoundResult
-from p2p_diloco.swarm import commands
-from p2p_diloco.swarm.access import AccessControlMixin
-from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin
+from p2p_diloco.swarm import commands, registry
+from p2p_diloco.swarm.access import serve_bounded
+from p2p_diloco.swarm.averager_process import AveragerProcess
+from p2p_diloco.swarm.chunk_transfer import ServingCounters, request_chunks, request_manifests
 from p2p_diloco.swarm.claims import sign_gather, signing_key
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
@@ -48,26 +51,20 @@ from p2p_diloco.swarm.group import (
 from p2p_diloco.swarm.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.protocol import averager_prefix
-from p2p_diloco.swarm.quorum import EarlyAssembly
-from p2p_diloco.swarm.registry import GroupRegistryMixin
-from p2p_diloco.swarm.round_process import RoundProcessMixin
+from p2p_diloco.swarm.round_process import HivemindSide
+from p2p_diloco.swarm.round_wait import wait_for_round
 from p2p_diloco.swarm.runner import (
     FaultHook,
     no_faults,
 )
-from p2p_diloco.swarm.state_server import StateSharingMixin
+from p2p_diloco.swarm.state import StateProvider
+from p2p_diloco.swarm.state_server import state_donors
 
 logger = logging.getLogger(__name__)
 _HOST_GRACE_S = 10.0
-LEFT_BEHIND_POLL_S = 2.0
-"""While this peer looks for a group, how often ``average(left_behind=...)`` asks whether the swarm left this
-epoch behind. Each ask reads the progress records from the DHT (a few KB; within the window, once they say the
-others moved on, their checksums too); a few seconds is far below ``matchmaking_timeout_s`` (60 s by default),
-which is what a peer that missed its group waited before."""
 
 
-class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, StateSharingMixin,
-                    ChunkTransferMixin, DecentralizedAverager):
+class RoundAverager(DecentralizedAverager):
     """Averages pseudo-gradients shaped like ``template`` with the peers of one run and model.
 
     :param template: tensors with the shapes and floating dtypes of the pseudo-gradients (values unused).
@@ -115,12 +112,14 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             # error feedback for the fresh region only: late work is sent once, and a residual for the late
             # region would be a second model-sized buffer kept for the run (docs/architecture.md, "Memory")
             compression.feedback_tensors = self.num_tensors
-        self._allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
-        self._banned: dict[str, str] = {}  # lives in the averager process, where the RPCs are served
-        self._join_timing = JoinTiming(cfg.request_timeout_s)
-        self.request_wait_s = cfg.request_timeout_s
-        self.first_part_wait_s = cfg.next_chunk_timeout_s
-        self._early = EarlyAssembly(cfg.min_group_size)
+        self.allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
+        """A private swarm's members (``SwarmConfig.allowed_peers``), ``None``: anyone."""
+        self._join_timing = JoinTiming(cfg.request_timeout_s)  # this side's deadlines; the process has its own
+        self.counters = ServingCounters()
+        """What both processes know of the state this peer serves (shared memory, made before the fork)."""
+        self._state_provider: StateProvider | None = None
+        self._process: AveragerProcess | None = None
+        """The averager process's side, made there by :meth:`run`; ``None`` in the training process."""
         # lives on the caller's side: it learns from the results ``average`` returns
         self.deadlines = ArrivalDeadlines(
             window_ceiling_s=cfg.matchmaking_time_s,
@@ -129,7 +128,6 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             next_chunk_timeout_s=cfg.next_chunk_timeout_s,
             adaptive=cfg.adaptive_deadlines,
         )
-        self.init_state_sharing()
         super().__init__(
             buffers,
             dht,
@@ -169,6 +167,136 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         process, so clearing it here fixes the reads there. Blocking costs nothing: the reader reads only after
         ``poll()`` said a message began, and the rest follows at once."""
         os.set_blocking(self._inner_pipe.fileno(), True)
+
+    # ---------------------------------------------------------------- averager process (hivemind's hooks)
+
+    def run(self) -> None:
+        """``multiprocessing.Process.run``, in the averager process: make its side first, then hivemind's loop."""
+        self._process = AveragerProcess(
+            self.cfg, self.peer_id.to_base58(), self._layout, self.allowed, self._tolerance, self.counters,
+            host_state=self._get_current_state_from_host_process,
+            sharing=lambda: self.allow_state_sharing,
+            stub=lambda peer: self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix),
+            fault_hook=self._fault_hook,
+        )
+        super().run()
+
+    def _side(self) -> AveragerProcess:
+        if self._process is None:
+            raise RuntimeError("the averager process's side is used outside the averager process")
+        return self._process
+
+    def _hivemind_side(self) -> HivemindSide:
+        """What a round uses of hivemind's side of this averager, as hivemind's loop has set it up."""
+        return HivemindSide(
+            peer_id=self.peer_id, matchmaking=self._matchmaking, p2p=self._p2p, prefix=self.prefix,
+            servicer_type=type(self), tensors=self.get_tensors, allreduce_kwargs=self.allreduce_kwargs,
+            allreduce_timeout=self._allreduce_timeout, groups=self._running_groups,
+            pending=self._pending_groups_registered,
+        )
+
+    async def _run_command(self, command: commands.Command) -> None:
+        """Run one command from the training process (``swarm.commands``)."""
+        await self._side().run_command(command, self._hivemind_side)
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None,
+                               balanced: bool = False) -> None:
+        """hivemind's registration of every ``rpc_*`` handler, then the one-request ones bounded
+        (``access.serve_bounded``)."""
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+        await serve_bounded(p2p, type(self), self if wrapper is None else wrapper, namespace=namespace,
+                            balanced=balanced, wait_s=self.cfg.request_timeout_s)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's matchmaking, gated (``AveragerProcess.join_group``)."""
+        async for message in self._side().join_group(request, context, getattr(self, "_matchmaking", None),
+                                                        super().rpc_join_group):
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's part exchange, gated (``AveragerProcess.aggregate_part``)."""
+        async for message in self._side().aggregate_part(stream, context, super().rpc_aggregate_part):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's whole-state stream: closed. Joiners fetch chunks (``rpc_state_chunk``), each verified on
+        receipt; a second way to pull the whole model would only be a second way to load this peer."""
+        return
+        yield  # an async generator that yields nothing
+
+    async def rpc_state_chunk(self, request: averaging_pb2.DownloadData, context: P2PContext
+                              ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """A state chunk or manifest (``AveragerProcess.state_chunk``)."""
+        async for message in self._side().state_chunk(request, context):
+            yield message
+
+    def shutdown(self) -> None:
+        """hivemind's shutdown, quiet when the averager process has stopped already.
+
+        A SIGTERM sent to the whole process group (systemd, ``docker stop`` with an init, a terminal's
+        Ctrl+C) reaches the averager process too, and it may be gone before the host's own shutdown runs;
+        hivemind logs that as an error with a traceback, which here is the normal way to stop.
+        """
+        if not self.is_alive():
+            logger.debug("The averager process had stopped already")
+            return
+        super().shutdown()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind's shutdown, given the runners it expects: our registry holds futures of runners
+        (``swarm.registry``), and hivemind's loop over it would fail at the first one."""
+        groups, self._running_groups = self._running_groups, {}
+        registry.finalize(groups)
+        await super()._shutdown(timeout)
+
+    # ---------------------------------------------------------------- state serving (training process)
+
+    def set_state_provider(self, provider: StateProvider | None) -> None:
+        """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
+        self._state_provider = provider
+        self.allow_state_sharing = provider is not None
+        self.mark_state_live(provider is not None)
+
+    def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
+        """Called by hivemind in this (host) process when the averager process serves our state."""
+        provider = self._state_provider
+        if provider is None:
+            raise RuntimeError("this peer is not sharing state")
+        metadata, tensors = provider()
+        return metadata, list(tensors), None
+
+    def mark_state_live(self, live: bool) -> None:
+        """The host published a state (True) or withdrew it to change it (False)."""
+        self.counters.live.value = live
+
+    def bump_state_version(self) -> None:
+        self.counters.bump_version()
+
+    def streams_open(self) -> int:
+        return int(self.counters.streams_open.value)
+
+    def manifests_served(self) -> int:
+        return int(self.counters.manifests_served.value)
+
+    def downloading(self) -> bool:
+        return self.counters.downloading()
+
+    def state_donors(self) -> list[tuple[str, float]]:
+        """Peers announcing shareable state for this run and model: ``(peer id, priority)``, best first."""
+        return state_donors(self.dht, self.prefix, self.peer_id, self.allowed)
+
+    def fetch_manifests(self, peers: Sequence[str], *, timeout: float, max_bytes: int,
+                        base: str | None = None) -> dict[str, bytes | str]:
+        """Each donor's raw state manifest, or why there is none (``chunk_transfer.request_manifests``)."""
+        return request_manifests(self._outer_pipe, peers, timeout=timeout, max_bytes=max_bytes, base=base)
+
+    def fetch_chunks(self, peers: Sequence[str], sha: str, dest: Sequence[torch.Tensor], n_params: int,
+                     digests: bytes, have: set[int], partial: Path | None, timeout: float) -> dict[str, Any]:
+        """The chunks of state ``sha`` from ``peers``, verified, into ``dest`` (``chunk_transfer.request_chunks``)."""
+        return request_chunks(self._outer_pipe, peers, sha, dest, n_params, digests, have, partial, timeout)
 
     # ---------------------------------------------------------------- host side
 
@@ -215,12 +343,12 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         :param copy_out: return the fresh mean as a copy. ``False`` returns views of the shared buffer, valid
           until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
           model-sized copy per round).
-        :param left_behind: asked every ``LEFT_BEHIND_POLL_S`` while no group has formed yet (on this thread,
+        :param left_behind: asked every ``round_wait.LEFT_BEHIND_POLL_S`` while no group has formed yet (on this thread,
           which only waits then), with whether the round's matchmaking window is still open; ``True`` asks the
           averager process to give the round up (``Evidence.left_behind``: every peer this one believes is past
           ``epoch``; within the window also ``Evidence.round_over``: each of them finished the round), which it
           does only while no group has formed: the result is then skipped with ``left_behind``, else the
-          group's own (see ``_wait``). ``None``: wait up to ``matchmaking_timeout_s``.
+          group's own (see ``round_wait.wait_for_round``). ``None``: wait up to ``matchmaking_timeout_s``.
         """
         if fresh is not None:
             self._check_tensors("fresh", fresh)
@@ -263,7 +391,7 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
-            result = self._wait(control, budget, left_behind, after_s=deadlines.window_s, give_up=self._give_up)
+            result = wait_for_round(control, budget, left_behind, after_s=deadlines.window_s, give_up=self._give_up)
         except TimeoutError:
             control.cancel()
             # the averager process may have scaled the late work in place before it went silent
@@ -291,53 +419,6 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
         )
         return self._make_result(result, epoch, budget, copy_out)
 
-    @staticmethod
-    def _wait(control: StepControl, budget: float, left_behind: Callable[[bool], bool] | None,
-              after_s: float = 0.0, give_up: Callable[[], None] | None = None) -> RoundResult:
-        """``control``'s result within ``budget`` seconds (``TimeoutError`` past it). While the averager
-        process still looks for a group, ``left_behind(window_open)`` is asked every ``LEFT_BEHIND_POLL_S``, and
-        once more the moment the round's window (``after_s`` seconds into the search) ends, with whether it is
-        still open; once it says so, ``give_up()`` asks the averager process to stop the search
-        (``commands.GiveUp``), and the wait goes on for the round's own result: ``left_behind`` when the search
-        stopped before a group formed, else the group's all-reduce.
-
-        Why the process decides and not this thread: the stage this thread reads lags the process. A group can
-        form between the read and the request; had this thread then dropped the round, the group's other
-        members would apply an update this peer never applied (a group split, seen in a CI run). The process
-        answers on the loop where groups form, so a round whose group formed always runs to its result.
-
-        Why the question differs before the window ends: a record one epoch ahead does not always mean the
-        round is over. An eager peer publishes ``e + 1`` while its all-reduce of ``e`` still looks for a group,
-        and any leader still assembling ``e`` waits at most its window for this peer. Past the window, with
-        every believed peer past ``e``, the group of ``e`` formed without this peer; within it, the peers
-        must also have finished ``e`` (``Evidence.round_over``). Why ask within it at all: a peer that starts
-        its search after the others' group formed (its catch-up outlasted their inner phase) otherwise waits
-        out its whole window alone, and arrives late for the next round as well."""
-        began = time.monotonic()
-        deadline, window_end = began + budget, began + after_s
-
-        def next_ask(now: float) -> float:
-            ask = now + LEFT_BEHIND_POLL_S
-            return min(ask, window_end) if now < window_end else ask
-
-        ask_at = next_ask(began)
-        asking = left_behind is not None and give_up is not None
-        while True:
-            now = time.monotonic()
-            remaining = deadline - now
-            if remaining <= 0:
-                raise TimeoutError
-            try:
-                return control.result(timeout=remaining if not asking else min(remaining, max(0.05, ask_at - now)))
-            except TimeoutError:
-                now = time.monotonic()
-                if not asking or now < ask_at:
-                    continue
-                ask_at = next_ask(now)
-                if control.stage == AveragingStage.LOOKING_FOR_GROUP and left_behind(now < window_end):
-                    give_up()
-                    asking = False  # asked once; the process's answer is the round's result
-
     def _give_up(self) -> None:
         """Ask the averager process to stop looking for the running round's group (``commands.GiveUp``)."""
         commands.send(self._outer_pipe, commands.GiveUp(MPFuture()))
@@ -361,25 +442,6 @@ class RoundAverager(RoundProcessMixin, AccessControlMixin, GroupRegistryMixin, S
             return future
         commands.send(self._outer_pipe, commands.Ban(peer_id, reason, future))
         return future
-
-    async def _ban_requested(self, peer_id: str, reason: str, future: MPFuture) -> None:
-        self._ban({peer_id: reason})
-        future.set_result(None)
-
-    COMMANDS: ClassVar[dict[type, str]] = {
-        commands.Step: "_step",
-        commands.GiveUp: "_give_up_requested",
-        commands.Ban: "_ban_requested",
-        commands.FetchManifests: "_fetch_manifests",
-        commands.FetchChunks: "_fetch_chunks",
-    }
-    """The one table of what the training process may ask of the averager process (``swarm.commands``): the
-    command's type -> the handler that runs it there, with the command's fields as its keyword arguments."""
-
-    async def _run_command(self, command: commands.Command) -> None:
-        """Averager process: run one command from the training process (see ``swarm.commands``)."""
-        handler = getattr(self, self.COMMANDS[type(command)])
-        await handler(**{f.name: getattr(command, f.name) for f in dataclasses.fields(command)})
 
     @contextlib.contextmanager
     def _locked_buffers(self, timeout: float) -> Iterator[Sequence[torch.Tensor] | None]:

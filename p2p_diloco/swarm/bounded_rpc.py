@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 BOUNDED_RPCS = ("rpc_join_group", "rpc_download_state", "rpc_state_chunk")
 """The averager's RPCs that take one request and stream their answer: the ones served here. The all-reduce's
 ``rpc_aggregate_part`` streams both ways and stays with hivemind's wrapper, which closes the stream when the
-handler ends: ``AccessControlMixin.rpc_aggregate_part`` ends it when no first part came within
+handler ends: ``AveragerProcess.aggregate_part`` ends it when no first part came within
 ``next_chunk_timeout_s``, and hivemind's runner bounds the later parts."""
 
 MAX_REQUEST_BYTES = 1 << 16

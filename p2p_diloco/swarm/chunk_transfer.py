@@ -14,7 +14,7 @@ messages (nothing is pickled):
   1 Mbit/s. An empty answer means "not served" (another digest now, refused, or busy).
 
 A donor serves its live anchors and momentum, fetched once from the host process per version of the state
-(``StateSharingMixin``), and stops a stream as soon as the host withdrew them, as the whole-state stream does.
+(:class:`ChunkServer`), and stops a stream as soon as the host withdrew them, as the whole-state stream does.
 The fetching side sizes everything before decoding: a manifest is bounded by the template's chunk count, a
 chunk by its known length, and a chunk is hashed before a byte of it is written.
 """
@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import logging
+import multiprocessing as mp
 import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
 import torch
-from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -104,6 +105,45 @@ def write_chunk(views: Sequence[np.ndarray], chunks: ChunkMap, index: int, data:
 
 _ANY = bytes(DIGEST_BYTES).hex()
 
+PIN_S = 2.0
+"""A donor that served a manifest or a chunk this recently counts as serving a download (see
+``StateServer.withdraw``); longer than a joiner's wait for the other donors' manifests
+(``core.chunks.MANIFEST_GRACE_S``)."""
+
+
+class ServingCounters:
+    """What both processes know of the state this peer serves: counters in shared memory.
+
+    Made by ``RoundAverager`` before its process starts, so both processes hold the same ``multiprocessing``
+    values: the averager process counts what it serves (:class:`ChunkServer`), the training process
+    reads the counts and marks the state live or withdrawn (``state_server.StateServer``)."""
+
+    def __init__(self) -> None:
+        self.version = mp.Value(ctypes.c_int64, 0)
+        """Bumped by the host before the served tensors change; a stream stops when it changed."""
+        self.streams_open = mp.Value(ctypes.c_int64, 0)
+        """Downloads and chunk requests being served right now (the host waits for them before changing the
+        state)."""
+        self.manifests_served = mp.Value(ctypes.c_int64, 0)
+        """Manifests handed to joiners: each download (or catch-up) of our state starts with one."""
+        self.last_served = mp.Value(ctypes.c_double, 0.0)
+        """Wall time the last manifest or state chunk was served: a joiner between two requests is still
+        downloading."""
+        self.live = mp.Value(ctypes.c_bool, False)
+        """The host serves a state now (published and not withdrawn): a manifest request that finds it
+        withdrawn waits for the next one (``chunk_transfer.REPUBLISH_WAIT_S``)."""
+
+    def bump_version(self) -> None:
+        with self.version.get_lock():
+            self.version.value += 1
+
+    def downloading(self) -> bool:
+        """A joiner is downloading our state: a stream is open, or a manifest or chunk was served moments ago
+        (a joiner between two requests)."""
+        return int(self.streams_open.value) > 0 or time.time() - self.last_served.value < PIN_S
+
+
+
 
 @dataclass
 class _Served:
@@ -129,78 +169,74 @@ class _Served:
         return cls(version, manifests, objects)
 
 
-class ChunkTransferMixin:
-    """``rpc_state_chunk`` and the chunk fetcher, mixed into ``RoundAverager`` after ``StateSharingMixin``."""
+class ChunkServer:
+    """The donor's half, in the averager process: ``rpc_state_chunk``'s answers (the module docstring).
 
-    _served_cache: _Served | None = None
-    # What this mixin uses of the classes it is mixed with (annotations only: the values are theirs).
-    # hivemind's DecentralizedAverager (its private names are in tests/unit/test_hivemind_internals.py):
-    allow_state_sharing: bool
-    prefix: str
-    next_chunk_timeout: float | None
-    get_stub: Callable[..., Any]
-    _p2p: Any
-    _outer_pipe: Any
-    _get_current_state_from_host_process: Callable[[], Awaitable[tuple[Any, Any, Any]]]
-    # StateSharingMixin's shared counters (multiprocessing.Value) and RoundAverager's fault hook:
-    _state_version: Any
-    _streams_open: Any
-    _manifests_served: Any
-    _last_served: Any
-    _state_live: Any
-    _fault_hook: Callable[[str], Any]
+    :param counters: the shared counters both processes read (``state_server.ServingCounters``).
+    :param host_state: hivemind's fetch of the served state from the training process (metadata, tensors, _).
+    :param sharing: whether this peer shares state now (hivemind's ``allow_state_sharing``, set by the host).
+    :param fault_hook: test-only, see ``runner.FaultHook``.
+    """
+
+    def __init__(self, counters: ServingCounters, host_state: Callable[[], Awaitable[tuple[Any, Any, Any]]],
+                 sharing: Callable[[], bool], fault_hook: Callable[[str], Any]):
+        self.counters, self._host_state, self._sharing, self._fault_hook = counters, host_state, sharing, fault_hook
+        self._cache: _Served | None = None
+        """What was fetched from the host for the current version (views, not copies); dropped once nobody
+        downloads, so it holds no old tensors alive."""
 
     async def _served(self, version: int) -> _Served | None:
-        cache = self._served_cache
+        cache = self._cache
         if cache is not None and cache.version == version:
             return cache
-        self._served_cache = None
-        if not self.allow_state_sharing:
+        self._cache = None
+        if not self._sharing():
             return None
         try:
-            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            metadata, tensors, _ = await self._host_state()
         except Exception as e:  # noqa: BLE001 - withdrawn meanwhile: not served
             logger.debug("No state to serve: %r", e)
             return None
-        if self._state_version.value != version:
+        if self.counters.version.value != version:
             return None
-        cache = self._served_cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
+        cache = self._cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
         return cache
 
     async def _until_republished(self) -> None:
         """While this peer shares state but has withdrawn it to step on, wait (at most ``REPUBLISH_WAIT_S``) for
         the new one. A shared flag polled every 20 ms: the host publishes from another process."""
         deadline = time.monotonic() + REPUBLISH_WAIT_S
-        while self.allow_state_sharing and not self._state_live.value and time.monotonic() < deadline:
+        while self._sharing() and not self.counters.live.value and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    async def rpc_state_chunk(self, request: averaging_pb2.DownloadData,
-                              context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """One chunk of the served state or update, or a manifest (see the module docstring)."""
+    async def serve(self, request: averaging_pb2.DownloadData) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """One chunk of the served state or update, or a manifest (see the module docstring); the caller has
+        checked who asks (``access.AccessGate.chunk_slot``)."""
         parsed = decode_request(request.metadata)
         if parsed is None:
             return
         sha, index = parsed
+        counters = self.counters
         if index == MANIFEST:
             # before counting as an open stream: the host waits for open streams before it steps on
             await self._until_republished()
-        with self._streams_open.get_lock():
-            self._streams_open.value += 1
+        with counters.streams_open.get_lock():
+            counters.streams_open.value += 1
         try:
-            version = self._state_version.value
+            version = counters.version.value
             served = await self._served(version)
             if served is None:
                 return
             if index == MANIFEST:
                 manifest = served.manifests.get(sha)
                 if manifest is not None:
-                    with self._manifests_served.get_lock():
-                        self._manifests_served.value += 1
+                    with counters.manifests_served.get_lock():
+                        counters.manifests_served.value += 1
                     # A joiner holding a manifest is downloading: it asks for chunks once the other donors it
                     # asked answered (core.chunks.manifest_wait_s). Unpinned, a donor of sub-second rounds
                     # changed its state in that gap, and every chunk request found another state (seen: a
                     # joiner failed 6 downloads in a row, 0 chunks each, in test_poisoned_catch_up.py).
-                    self._last_served.value = time.time()
+                    counters.last_served.value = time.time()
                     yield averaging_pb2.DownloadData(metadata=manifest)
                 return
             found = served.objects.get(sha)
@@ -209,47 +245,63 @@ class ChunkTransferMixin:
             data = read_chunk(*found, index)
             self._fault_hook("state_chunk")
             for offset in range(0, len(data), PART_BYTES):
-                if self._state_version.value != version:
+                if counters.version.value != version:
                     logger.info("Stopped serving a state chunk: this peer's state changed meanwhile")
                     return
                 yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(
                     buffer=data[offset:offset + PART_BYTES]))
-            self._last_served.value = time.time()
+            counters.last_served.value = time.time()
         finally:
-            with self._streams_open.get_lock():
-                self._streams_open.value -= 1
-                if self._streams_open.value == 0:
-                    self._served_cache = None  # holds no old tensors alive once nobody downloads
+            with counters.streams_open.get_lock():
+                counters.streams_open.value -= 1
+                if counters.streams_open.value == 0:
+                    self._cache = None
 
-    # ------------------------------------------------------------------ fetching (host side)
 
-    def fetch_manifests(self, peers: Sequence[str], *, timeout: float, max_bytes: int,
-                        base: str | None = None) -> dict[str, bytes | str]:
-        """Each donor's raw state manifest (msgpack, at most ``max_bytes``), or why there is none; with
-        ``base``, the manifest of the update it serves from state ``base`` to its own."""
-        future = MPFuture()
-        commands.send(self._outer_pipe, commands.FetchManifests(list(peers), timeout, max_bytes, base, future))
-        return future.result(timeout=timeout + _GRACE_S)
+# ------------------------------------------------------------------ fetching (training process)
 
-    def fetch_chunks(self, peers: Sequence[str], sha: str, dest: Sequence[torch.Tensor], n_params: int,
-                     digests: bytes, have: set[int], partial: Path | None, timeout: float) -> dict[str, Any]:
-        """Fetch the chunks of state ``sha`` not in ``have`` from ``peers`` in parallel, each checked against
-        ``digests`` and written into ``dest`` (shared-memory tensors), and kept in ``partial`` if given.
-        Returns ``done`` (chunk indices now held) and ``dropped`` (donor -> reason)."""
-        future = MPFuture()
-        commands.send(self._outer_pipe, commands.FetchChunks(
-            list(peers), sha, list(dest), n_params, digests, sorted(have), str(partial) if partial else None, timeout,
-            future))
-        return future.result(timeout=timeout + _GRACE_S)
 
-    # ------------------------------------------------------------------ fetching (averager process)
+def request_manifests(pipe: Any, peers: Sequence[str], *, timeout: float, max_bytes: int,
+                      base: str | None = None) -> dict[str, bytes | str]:
+    """Each donor's raw state manifest (msgpack, at most ``max_bytes``), or why there is none; with ``base``,
+    the manifest of the update it serves from state ``base`` to its own. ``pipe``: the averager's command pipe;
+    the averager process fetches (:meth:`ChunkFetcher.fetch_manifests`)."""
+    future = MPFuture()
+    commands.send(pipe, commands.FetchManifests(list(peers), timeout, max_bytes, base, future))
+    return future.result(timeout=timeout + _GRACE_S)
 
-    async def _request(self, peer: str, sha: str | None, index: int, max_bytes: int) -> tuple[bytes, bytes]:
+
+def request_chunks(pipe: Any, peers: Sequence[str], sha: str, dest: Sequence[torch.Tensor], n_params: int,
+                   digests: bytes, have: set[int], partial: Path | None, timeout: float) -> dict[str, Any]:
+    """Fetch the chunks of state ``sha`` not in ``have`` from ``peers`` in parallel, each checked against
+    ``digests`` and written into ``dest`` (shared-memory tensors), and kept in ``partial`` if given.
+    Returns ``done`` (chunk indices now held) and ``dropped`` (donor -> reason). ``pipe``: as above."""
+    future = MPFuture()
+    commands.send(pipe, commands.FetchChunks(
+        list(peers), sha, list(dest), n_params, digests, sorted(have), str(partial) if partial else None, timeout,
+        future))
+    return future.result(timeout=timeout + _GRACE_S)
+
+
+# ------------------------------------------------------------------ fetching (averager process)
+
+
+class ChunkFetcher:
+    """The joiner's half, in the averager process: manifests and chunks from donors, each answer bounded.
+
+    :param stub: hivemind's stub of the averager servicer on a donor (base58 id), made on this process's
+      ``P2P``.
+    :param next_chunk_timeout: longest wait for a donor's next message (hivemind's ``next_chunk_timeout``).
+    """
+
+    def __init__(self, stub: Callable[[str], Any], next_chunk_timeout: float | None):
+        self._stub, self._next_chunk_timeout = stub, next_chunk_timeout
+
+    async def request(self, peer: str, sha: str | None, index: int, max_bytes: int) -> tuple[bytes, bytes]:
         """(metadata, data) of one answer, at most ``max_bytes`` in all; raises when the donor sent nothing."""
-        stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-        stream = await stub.rpc_state_chunk(averaging_pb2.DownloadData(metadata=encode_request(sha, index)))
+        stream = await self._stub(peer).rpc_state_chunk(averaging_pb2.DownloadData(metadata=encode_request(sha, index)))
         metadata, parts, received = b"", [], 0
-        async for message in aiter_with_timeout(stream, self.next_chunk_timeout):
+        async for message in aiter_with_timeout(stream, self._next_chunk_timeout):
             received += len(message.metadata) + len(message.tensor_part.buffer)
             if received > max_bytes:
                 raise ValueError(f"sent more than the expected {max_bytes} bytes")
@@ -259,11 +311,12 @@ class ChunkTransferMixin:
             raise ValueError("sent nothing (it serves another state now, or is busy)")
         return metadata, b"".join(parts)
 
-    async def _fetch_manifests(self, peers: list[str], timeout: float, max_bytes: int, base: str | None,
-                               future: MPFuture) -> None:
+    async def fetch_manifests(self, peers: list[str], timeout: float, max_bytes: int, base: str | None,
+                              future: MPFuture) -> None:
+        """``commands.FetchManifests``: ``future`` gets each donor's manifest or why there is none."""
         async def one(peer: str) -> bytes | str:
             try:
-                metadata, _ = await asyncio.wait_for(self._request(peer, base, MANIFEST, max_bytes), timeout)
+                metadata, _ = await asyncio.wait_for(self.request(peer, base, MANIFEST, max_bytes), timeout)
                 return metadata
             except Exception as e:  # noqa: BLE001 - any failure is this donor's
                 return f"no manifest: {type(e).__name__}: {e}"
@@ -291,9 +344,10 @@ class ChunkTransferMixin:
                 task.cancel()
             future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
 
-    async def _fetch_chunks(self, peers: list[str], sha: str, dest: list[torch.Tensor], n_params: int,
-                            digests: bytes, have: list[int], partial: str | None, timeout: float,
-                            future: MPFuture) -> None:
+    async def fetch_chunks(self, peers: list[str], sha: str, dest: list[torch.Tensor], n_params: int,
+                           digests: bytes, have: list[int], partial: str | None, timeout: float,
+                           future: MPFuture) -> None:
+        """``commands.FetchChunks``: ``future`` gets the chunks now held, the donors dropped and what each served."""
         chunks = state_chunk_map(dest, n_params)
         plan = ChunkPlan(chunks.count, peers, have=have, depth=DEPTH)
         views = _byte_views(dest)
@@ -316,7 +370,7 @@ class ChunkTransferMixin:
                     continue
                 length = chunks.length(index)
                 try:
-                    _, data = await self._request(peer, sha, index, length)
+                    _, data = await self.request(peer, sha, index, length)
                 except Exception as e:  # noqa: BLE001 - any failure is this donor's
                     drop(peer, f"chunk {index}: {type(e).__name__}: {e}")
                     return
@@ -356,7 +410,14 @@ class ChunkTransferMixin:
             future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
 
 
-def fetch_verified(averager: ChunkTransferMixin, sources: list[str], meta: dict, dest: list[torch.Tensor],
+class ChunkSource(Protocol):
+    """What :func:`fetch_verified` uses of the averager (``RoundAverager.fetch_chunks``)."""
+
+    def fetch_chunks(self, peers: Sequence[str], sha: str, dest: Sequence[torch.Tensor], n_params: int,
+                     digests: bytes, have: set[int], partial: Path | None, timeout: float) -> dict[str, Any]: ...
+
+
+def fetch_verified(averager: ChunkSource, sources: list[str], meta: dict, dest: list[torch.Tensor],
                    chunks: ChunkMap, partial_dir: Path | None, deadline: float
                    ) -> tuple[str | None, dict[str, str], dict[str, int]]:
     """Fill ``dest`` with the state ``meta`` describes (a verified manifest, ``swarm.state``): chunks kept on

@@ -3,7 +3,8 @@
 ``RoundAverager`` is a hivemind ``DecentralizedAverager``: a ``multiprocessing.Process`` whose background loop
 reads ``(method name, args, kwargs)`` from a pipe and runs ``getattr(self, name)(*args, **kwargs)``. Ours cross
 it as one of the dataclasses below, always under the one name :data:`DISPATCH` (``RoundAverager._run_command``
-looks the handler up by the command's type in its one table, ``RoundAverager.COMMANDS``), so what the training
+hands it to ``AveragerProcess.run_command``, which looks the handler up by the command's type in its one table,
+``AveragerProcess.COMMANDS``), so what the training
 side may ask of the averager process is this module, and a misspelt or mistyped command fails where it is built
 (a dataclass without that field), not as an ``AttributeError`` in the other process. hivemind's own commands
 (its ``_shutdown`` and the state requests it sends itself) keep its names.
@@ -26,7 +27,7 @@ DISPATCH = "_run_command"
 
 @dataclass
 class Step:
-    """Run one round (``round_process.RoundProcessMixin._step``): matchmaking, plan, all-reduce."""
+    """Run one round (``round_process.RoundProcess.step``): matchmaking, plan, all-reduce."""
 
     step: StepControl
     future_for_init: MPFuture
@@ -42,7 +43,7 @@ class Step:
 class GiveUp:
     """Stop looking for the running round's group, if none has formed yet (the swarm moved past its epoch).
 
-    The averager process decides, on the loop where groups form (``round_process.RoundProcessMixin._step``):
+    The averager process decides, on the loop where groups form (``round_process.RoundProcess.step``):
     before a group formed the search stops and the round's result says ``left_behind``; once one formed the
     request is refused and the round runs to its result, which the training side then applies like any other.
     A training side that dropped a round its process had joined left that group's other members with an update

@@ -1,15 +1,13 @@
-"""The averager process's side of a round: ``RoundProcessMixin`` of ``averager.RoundAverager``.
+"""A round in the averager process: :class:`RoundProcess`, one per averager process.
 
-These are the hooks of hivemind's ``DecentralizedAverager`` that run inside its background process: the
-per-round step (``_step``: one matchmaking attempt, at most one all-reduce) and the aggregation of a formed
-group (``_aggregate_with_group``: plan, pre-scale, all-reduce, completion check). The host side (``average``,
+``RoundProcess.step`` runs one round there (``commands.Step``): one matchmaking attempt and at most one
+all-reduce of a formed group (plan, pre-scale, all-reduce, completion check). The host side (``average``,
 buffers, results) stays in :mod:`p2p_diloco.swarm.averager`; this split keeps each module to one side of the
 process boundary.
 
-The mixin reads ``RoundAverager``'s attributes (``cfg``, ``_layout``, ``_fault_hook``, ``_early``,
-``_join_timing``, ``_allowed``, ``_banned``, ``_tolerance``) and hivemind's own (``_matchmaking``,
-``_p2p``, ``_running_groups``, ``_pending_groups_registered``, ``_allreduce_timeout``, ``allreduce_kwargs``),
-all named in ``tests/unit/test_hivemind_internals.py`` where they are hivemind's.
+Its own state (settings, layout, timing, the access gate) is given when ``averager_process.AveragerProcess``
+makes it; what it uses of hivemind's averager comes with each round as a :class:`HivemindSide`, whose
+private names are in ``tests/unit/test_hivemind_internals.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,16 +25,21 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import enter_asynchronously
 
 from p2p_diloco.core.bounds import output_bound
 from p2p_diloco.core.rounds import Outcome, RoundResult
+from p2p_diloco.swarm import registry
+from p2p_diloco.swarm.access import AccessGate
 from p2p_diloco.swarm.claims import open_gathered
 from p2p_diloco.swarm.completion import confirm_complete
+from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.group import DEFAULT_MAX_ROUND_WEIGHT, GroupPlan, balancing_bandwidths, plan_group
+from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.protocol import use_round_key
-from p2p_diloco.swarm.quorum import Formed
+from p2p_diloco.swarm.quorum import EarlyAssembly, Formed
 from p2p_diloco.swarm.runner import (
     ByteCounter,
     CountingAllReduceRunner,
@@ -95,24 +99,73 @@ async def _settle_credit(compression: Any, averaged: Sequence[torch.Tensor], app
     logger.debug("Credited %d values the replies dropped back to our residuals", credited)
 
 
-class RoundProcessMixin:
-    """``_step`` and ``_aggregate_with_group`` of ``RoundAverager``: what a round does in the averager process."""
+@dataclass(frozen=True)
+class HivemindSide:
+    """What a round uses of hivemind's ``DecentralizedAverager`` in its process, read from it for each round
+    (``RoundAverager._hivemind_side``): hivemind makes these in the process's main coroutine."""
 
-    _search_give_up: asyncio.Event | None = None
-    """Averager process: set by ``commands.GiveUp`` while ``_step`` looks for the running round's group;
-    ``None`` outside a search (a request then finds nothing to stop). Made and read on the process's loop."""
+    peer_id: PeerID
+    matchmaking: Any
+    """hivemind's ``Matchmaking`` of this process (``_matchmaking``)."""
+    p2p: Any
+    prefix: str
+    servicer_type: type
+    """The averager's class: it names the RPCs the all-reduce runners call."""
+    tensors: Callable[[], Any]
+    """hivemind's ``get_tensors``: the shared averaging buffers, locked while the context lasts."""
+    allreduce_kwargs: dict[str, Any]
+    allreduce_timeout: float | None
+    groups: dict[bytes, Any]
+    """hivemind's ``_running_groups`` (``swarm.registry``)."""
+    pending: asyncio.Event
+    """hivemind's ``_pending_groups_registered``."""
 
-    async def _give_up_requested(self, future: MPFuture) -> None:
-        """``commands.GiveUp``: ask the running search to stop. ``_step`` decides whether it does (only while no
-        group has formed) and says so in the round's result (``RoundResult.left_behind``)."""
-        event = self._search_give_up
-        if event is not None:
-            event.set()
-        future.set_result(event is not None)
 
-    async def _step(self, *, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...] = (),
-                    allreduce_timeout: float | None = None, stale: list[torch.Tensor] | None = None,
-                    step_back: bool = True, epoch: int | None = None) -> None:
+class SearchStop:
+    """``commands.GiveUp`` for the running search: made and read on the averager process's loop."""
+
+    def __init__(self) -> None:
+        self._event: asyncio.Event | None = None
+
+    def begin(self) -> asyncio.Event:
+        """A search starts: the event a give-up request sets."""
+        self._event = asyncio.Event()
+        return self._event
+
+    def end(self) -> None:
+        self._event = None
+
+    def request(self) -> bool:
+        """Ask the running search to stop; ``False`` when none runs (a request between searches stops nothing).
+        The search decides whether it does (only while no group has formed), in the round's result."""
+        if self._event is None:
+            return False
+        self._event.set()
+        return True
+
+
+class RoundProcess:
+    """Rounds in the averager process (``commands.Step``), with the state they keep there.
+
+    :param cfg: the swarm's settings (group sizes, deadlines, robust aggregation).
+    :param layout: shapes and dtypes of the pseudo-gradient tensors.
+    :param gate: this process's access gate: plans refuse and ban through it.
+    :param join_timing: matchmaking patience (``swarm.patience``), shared with the join handler.
+    :param early: early assembly (``swarm.quorum``), shared with the join handler.
+    :param tolerance: the codec's norm tolerance (``hivemind_codecs.wire_norm_tolerance``), ``None``: no bounds.
+    :param fault_hook: test-only, see ``runner.FaultHook``.
+    """
+
+    def __init__(self, cfg: SwarmConfig, layout: Sequence[tuple[tuple[int, ...], torch.dtype]], gate: AccessGate,
+                 join_timing: JoinTiming, early: EarlyAssembly, tolerance: float | None, fault_hook: FaultHook):
+        self.cfg, self.layout, self.num_tensors = cfg, list(layout), len(layout)
+        self.gate, self.join_timing, self.early = gate, join_timing, early
+        self.tolerance, self.fault_hook = tolerance, fault_hook
+        self.search = SearchStop()
+
+    async def step(self, side: HivemindSide, *, step: StepControl, future_for_init: MPFuture,
+                   due: tuple[str, ...] = (), allreduce_timeout: float | None = None,
+                   stale: list[torch.Tensor] | None = None, step_back: bool = True, epoch: int | None = None) -> None:
         """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
@@ -121,40 +174,40 @@ class RoundProcessMixin:
         declares under the key of ``epoch`` (``protocol.use_round_key``).
         """
         began = time.monotonic()
-        self._guard_leaders()
-        self._join_timing.install(self._matchmaking)
+        matchmaking, me = side.matchmaking, side.peer_id.to_base58()
+        self.gate.guard_leaders(matchmaking)
+        self.join_timing.install(matchmaking)
         if epoch is not None:
-            use_round_key(self._matchmaking, epoch)
-        if self._fault_hook is not no_faults:
-            _hook_assembly(self._matchmaking, self._fault_hook)
+            use_round_key(matchmaking, epoch)
+        if self.fault_hook is not no_faults:
+            _hook_assembly(matchmaking, self.fault_hook)
         try:
             trigger, cancel = MPFuture(), MPFuture()
             step.attach(trigger, cancel)
             future_for_init.set_result((trigger, cancel))
-            self._pending_groups_registered.clear()
+            side.pending.clear()
             step.stage = AveragingStage.LOOKING_FOR_GROUP
             formed = Formed()
-            matchmaking = asyncio.create_task(self._matchmaking.look_for_group(step))
-            early = asyncio.create_task(self._early.watch(self._matchmaking, self.peer_id.to_base58(), due, formed,
-                                                          step if step_back else None))
+            search = asyncio.create_task(matchmaking.look_for_group(step))
+            early = asyncio.create_task(self.early.watch(matchmaking, me, due, formed, step if step_back else None))
             cancelled = asyncio.create_task(step.wait_for_cancel())
-            give_up = self._search_give_up = asyncio.Event()
+            give_up = self.search.begin()
             asked = asyncio.create_task(give_up.wait())
             try:
-                await asyncio.wait({matchmaking, cancelled, asked}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({search, cancelled, asked}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                self._search_give_up = None
+                self.search.end()
                 early.cancel()
                 asked.cancel()
             if step.cancelled():
-                matchmaking.cancel()
+                search.cancel()
                 return
             cancelled.cancel()
-            if give_up.is_set() and not matchmaking.done():
+            if give_up.is_set() and not search.done():
                 # Decided here, on the loop where groups form: no group has formed, so none runs without us.
-                matchmaking.cancel()
-                await asyncio.wait({matchmaking})
-                if matchmaking.cancelled():
+                search.cancel()
+                await asyncio.wait({search})
+                if search.cancelled():
                     step.set_result(RoundResult(
                         Outcome.SKIPPED, f"the swarm left epoch {epoch} before a group formed", left_behind=True,
                         wait_seconds=time.monotonic() - began))
@@ -162,12 +215,12 @@ class RoundProcessMixin:
                 # it finished as the cancel came: a group that formed with us runs; an error is reported below
             elif give_up.is_set():
                 logger.info("The swarm looked past epoch %s as the group of this round formed: running it", epoch)
-            group_info = await matchmaking
+            group_info = await search
             waited = time.monotonic() - began
             if group_info is None:
                 if step.done():  # cancelled by the trainer as the search ended: nothing to report
                     return
-                others = tuple(sorted(set(due) - {self.peer_id.to_base58()}))
+                others = tuple(sorted(set(due) - {me}))
                 step.set_result(RoundResult(Outcome.SKIPPED, "no group formed within matchmaking_timeout_s",
                                             wait_seconds=waited, due_members=formed.due,
                                             cut_members=max(0, formed.due - 1),
@@ -175,28 +228,28 @@ class RoundProcessMixin:
                 return
             members = {peer.to_base58() for peer in group_info.peer_ids}
             await step.wait_for_trigger()
-            with self._register_allreduce_group(group_info):
+            with registry.registered(side.groups, side.pending, group_info):
                 step.stage = AveragingStage.RUNNING_ALLREDUCE
                 # filled as the round goes, so that a round cut off by the timeout still names its group
                 result = RoundResult(Outcome.SKIPPED, "round interrupted")
                 try:
                     await asyncio.wait_for(
-                        self._aggregate_with_group(group_info, result, stale=stale, abandoned=step.done,
-                                                   **self.allreduce_kwargs),
-                        allreduce_timeout or self._allreduce_timeout,
+                        self._aggregate(side, group_info, result, stale=stale, abandoned=step.done,
+                                        **side.allreduce_kwargs),
+                        allreduce_timeout or side.allreduce_timeout,
                     )
                 except asyncio.TimeoutError:
-                    stuck = "; ".join(runner.progress() for runner in self._runners_of(group_info))
+                    stuck = "; ".join(runner.progress() for runner in registry.runners_of(side.groups, group_info))
                     logger.warning("All-reduce of round %s timed out: %s", group_info.group_id.hex()[:8], stuck)
                     result.skip(f"all-reduce did not finish within its deadline "
-                                f"({allreduce_timeout or self._allreduce_timeout:.1f} s)")
+                                f"({allreduce_timeout or side.allreduce_timeout:.1f} s)")
                     result.timed_out = True
             result.wait_seconds = waited
             result.due_members, result.formed_early = formed.due, formed.early
             result.stepped_back = formed.stepped_back
             result.due_arrival_s = formed.due_arrival_s
             if formed.due:
-                result.cut_peers = tuple(sorted((set(due) | {self.peer_id.to_base58()}) - members))
+                result.cut_peers = tuple(sorted((set(due) | {me}) - members))
                 result.cut_members = len(result.cut_peers)
             if step.done():  # the trainer cancelled the round while it ran: it counts it as not averaged
                 logger.info("Round %s ended (%s) after the trainer gave up on it", group_info.group_id.hex()[:8],
@@ -210,12 +263,12 @@ class RoundProcessMixin:
                                             wait_seconds=time.monotonic() - began))
         finally:
             step.stage = AveragingStage.FINISHED
-            self._pending_groups_registered.set()
+            side.pending.set()
             if not step.done():
                 step.set_result(RoundResult(Outcome.SKIPPED, "round interrupted"))
 
-    async def _aggregate_with_group(
-        self, group_info: GroupInfo, result: RoundResult, min_vector_size: int,
+    async def _aggregate(
+        self, side: HivemindSide, group_info: GroupInfo, result: RoundResult, min_vector_size: int,
         stale: list[torch.Tensor] | None = None, abandoned: Callable[[], bool] | None = None, **kwargs: Any
     ) -> RoundResult:
         """The round in a formed group; ``result`` is filled as it goes, so a round cut off by the caller's
@@ -230,11 +283,11 @@ class RoundProcessMixin:
         plan = plan_group(
             group_info.peer_ids,
             open_gathered(group_info.peer_ids, group_info.gathered),  # each member's own signed claim
-            self.peer_id,
+            side.peer_id,
             min_group_size=self.cfg.min_group_size,
             max_weight=self.cfg.max_round_weight or DEFAULT_MAX_ROUND_WEIGHT,
             weight_ratio=self.cfg.weight_outlier_ratio,
-            allowed=self._allowed,
+            allowed=self.gate.allowed,
         )
         rejected = dict(plan.rejected)
         result.contributors = tuple(p.to_base58() for p in plan.peer_ids)
@@ -243,24 +296,24 @@ class RoundProcessMixin:
         result.stalenesses = tuple(m.staleness for m in plan.members)
         result.refused = tuple(f"{peer}: {reason}" for peer, reason in plan.refused)
         result.with_stale = plan.with_stale
-        result.rejected = tuple(self._ban(rejected))
+        result.rejected = tuple(self.gate.ban(rejected))
         if plan.skip_reason is not None:
             return result.skip(plan.skip_reason)
         counter = ByteCounter()
-        size = sum(math.prod(shape) for shape, _ in self._layout) * (2 if plan.with_stale else 1)
+        size = sum(math.prod(shape) for shape, _ in self.layout) * (2 if plan.with_stale else 1)
         bandwidths = [
             bw if mode != AveragingMode.CLIENT else 0.0
             for bw, mode in zip(plan.bandwidths, plan.modes, strict=True)
         ]
         fractions = await asyncio.get_running_loop().run_in_executor(
-            None, load_balance_peers, size, balancing_bandwidths(bandwidths, private=self._allowed is not None), min_vector_size
+            None, load_balance_peers, size, balancing_bandwidths(bandwidths, private=self.gate.allowed is not None), min_vector_size
         )
-        fresh_scale, stale_scale = plan.local_scales(self.peer_id)
-        async with enter_asynchronously(self.get_tensors()) as buffers:
+        fresh_scale, stale_scale = plan.local_scales(side.peer_id)
+        async with enter_asynchronously(side.tensors()) as buffers:
             tensors = list(buffers[: self.num_tensors])
             if plan.with_stale:
                 if stale is None or len(stale) != self.num_tensors:
-                    stale = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
+                    stale = [torch.zeros(shape, dtype=dtype) for shape, dtype in self.layout]
                 else:
                     result.late_consumed = True  # scaled below and overwritten by the all-reduce, in place
                 tensors += stale
@@ -271,13 +324,13 @@ class RoundProcessMixin:
                         tensor.zero_()  # not mul_(0): leftovers of a failed round could hold inf
                     else:
                         tensor.mul_(scale)
-            self._fault_hook("allreduce_begin")
-            _corrupt(tensors, self._fault_hook("corrupt_input"))
+            self.fault_hook("allreduce_begin")
+            _corrupt(tensors, self.fault_hook("corrupt_input"))
             forget = getattr(kwargs["compression"], "forget_sent", None)
             if forget is not None:
                 forget()  # what an earlier round left (cut off by its timeout) is owed nothing
-            make_runner = self._runner_factory(plan, fractions, group_info.group_id, counter, kwargs)
-            tolerance = self._tolerance
+            make_runner = self._runner_factory(side, plan, fractions, group_info.group_id, counter, kwargs)
+            tolerance = self.tolerance
             limits = None if tolerance is None else plan.sender_limits(self.cfg.norm_outlier_factor, tolerance)
             robust = dict(
                 sender_weights=plan.fresh_weights(),
@@ -286,31 +339,32 @@ class RoundProcessMixin:
                                  for m in plan.members],
                 method=self.cfg.aggregation,
                 norm_factor=self.cfg.norm_outlier_factor,
-                banned=frozenset(self._banned),
+                banned=frozenset(self.gate.banned),
             )
             bounds = None if limits is None or tolerance is None else tuple(
                 output_bound([limit[region] for limit in limits], plan.fresh_weights(), tolerance)
                 for region in (0, 1)
             )
             runner = make_runner(
-                tensors, b"", fault_hook=self._fault_hook, robust=robust, bounds=bounds,
+                tensors, b"", fault_hook=self.fault_hook, robust=robust, bounds=bounds,
                 fresh_tensors=self.num_tensors,
             )
             faults = await run_allreduce(runner, tensors)
             rejected.update(runner.rejected())
             reset = getattr(kwargs["compression"], "reset_residuals", None)
-            if reset is not None and self.peer_id.to_base58() in rejected:
+            me = side.peer_id.to_base58()
+            if reset is not None and me in rejected:
                 # our own reducer rejected our part: its error-feedback residual is not sent again
                 logger.warning("Our own reducer rejected our part (%s): forgetting the error-feedback residuals",
-                               rejected[self.peer_id.to_base58()])
+                               rejected[me])
                 reset()
-            result.rejected = tuple(self._ban(rejected))
-            if self._fault_hook("confirm") is False:
+            result.rejected = tuple(self.gate.ban(rejected))
+            if self.fault_hook("confirm") is False:
                 faults.append("completion denied by the fault hook")
-            check = await confirm_complete(make_runner, not faults, plan.peer_ids, self.peer_id, runner)
-            result.rejected = tuple(self._ban(rejected | check.equivocators))
+            check = await confirm_complete(make_runner, not faults, plan.peer_ids, side.peer_id, runner)
+            result.rejected = tuple(self.gate.ban(rejected | check.equivocators))
             await _settle_credit(kwargs["compression"], tensors[: self.num_tensors],
-                                 not faults and check.confirmed and self.peer_id.to_base58() not in rejected
+                                 not faults and check.confirmed and me not in rejected
                                  and not (abandoned is not None and abandoned()))
         result.allreduce_seconds = time.monotonic() - began
         result.bytes_sent, result.bytes_received = counter.sent, counter.received
@@ -323,14 +377,15 @@ class RoundProcessMixin:
             result.stale_term = list(stale)
         return result
 
+    @staticmethod
     def _runner_factory(
-        self, plan: GroupPlan, fractions: Sequence[float], group_id: bytes, counter: ByteCounter, kwargs: dict
+        side: HivemindSide, plan: GroupPlan, fractions: Sequence[float], group_id: bytes, counter: ByteCounter, kwargs: dict
     ) -> RunnerFactory:
         def make(tensors: Sequence[torch.Tensor], suffix: bytes, **overrides: Any) -> CountingAllReduceRunner:
             options: dict[str, Any] = dict(
-                p2p=self._p2p,
-                servicer_type=type(self),
-                prefix=self.prefix,
+                p2p=side.p2p,
+                servicer_type=side.servicer_type,
+                prefix=side.prefix,
                 tensors=tensors,
                 group_id=group_id + suffix,
                 ordered_peer_ids=plan.peer_ids,
@@ -344,14 +399,7 @@ class RoundProcessMixin:
             )
             options.update(overrides)
             runner = CountingAllReduceRunner(**options)
-            key = group_id + suffix
-            if self._running_groups[key].done():
-                # hivemind's rpc_aggregate_part awaits this future unshielded: a sender's handler cancelled while
-                # it waited (the sender died, its stream closed) cancelled the future with it, and set_result
-                # raised InvalidStateError, ending this member's round with its group unnamed. Handlers that
-                # arrive from now on find the runner; the part of the one that died is missing, as it would be.
-                self._running_groups[key] = asyncio.get_running_loop().create_future()
-            self._running_groups[key].set_result(runner)
+            registry.set_runner(side.groups, group_id + suffix, runner)
             return runner
 
         return make

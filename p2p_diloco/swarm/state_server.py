@@ -6,140 +6,61 @@ protocol) and answers ``rpc_state_chunk`` (``swarm.chunk_transfer``) with its ma
 momentum, not a copy: before they change (an outer step, a resync) the host withdraws them
 (:meth:`StateServer.withdraw`), waits for downloads in flight to end (at most a budget saved at 15% of the
 time it worked, ``core.chunks.ServeWait``, which no downloader can stretch; a joiner that fetched a manifest
-or chunk in the last ``_PIN_S`` counts as in flight), and bumps a version that a stream checks before every
+or chunk in the last ``chunk_transfer.PIN_S`` counts as in flight), and bumps a version that a stream checks before every
 message it sends; so a chunk is either of one epoch or cut short (the joiner then fetches it from another
 donor, or the new state). hivemind's whole-state stream (``rpc_download_state``) is closed. A donor also
 serves the last round's update for one round (``swarm.catchup``): a joiner whose download outlasted a round
 applies it instead of downloading again.
 
-Why one module: :class:`StateSharingMixin` is the averager's side (shared counters, donor lookup), read in
-both processes; :class:`StateServer` is the training process's side (what is served, and when it changes).
-The server reaches the averager only through ``state.ServingAverager``.
+Why one module: :class:`StateServer` is the training process's side (what is served, and when it changes), and
+:func:`state_donors` finds the others' served states. The server reaches the averager only through
+``state.ServingAverager``; the averager process serves chunks with ``chunk_transfer.ChunkServer``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import multiprocessing as mp
 import random
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
+from typing import Any
 
 import torch
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration
 
 from p2p_diloco.core.chunks import ServeWait
 from p2p_diloco.swarm.checksum import TensorManifest, combine_state_sha, tensor_manifest
-from p2p_diloco.swarm.state import ServingAverager, StateProvider, make_state_metadata
+from p2p_diloco.swarm.state import ServingAverager, make_state_metadata
 
 logger = logging.getLogger(__name__)
 
-_PIN_S = 2.0
-"""A donor that served a manifest or a chunk this recently counts as serving a download (see
-``StateServer.withdraw``); longer than a joiner's wait for the other donors' manifests
-(``core.chunks.MANIFEST_GRACE_S``)."""
 
 
-class StateSharingMixin:
-    """State serving and donor lookup, mixed into ``RoundAverager`` (a hivemind averager).
 
-    Call :meth:`init_state_sharing` before the averager process starts: the counters it creates live in
-    shared memory, read and written by both processes."""
-
-    _state_provider: StateProvider | None = None
-    # What this mixin uses of hivemind's DecentralizedAverager (annotations only: the values are hivemind's).
-    allow_state_sharing: bool
-    prefix: str
-    dht: Any
-    peer_id: PeerID
-
-    def init_state_sharing(self) -> None:
-        self._state_version = mp.Value(ctypes.c_int64, 0)
-        """Bumped by the host before the served tensors change; a stream stops when it changed."""
-        self._streams_open = mp.Value(ctypes.c_int64, 0)
-        """Downloads and chunk requests being served right now (the host waits for them before changing the
-        state)."""
-        self._manifests_served = mp.Value(ctypes.c_int64, 0)
-        """Manifests handed to joiners: each download (or catch-up) of our state starts with one."""
-        self._last_served = mp.Value(ctypes.c_double, 0.0)
-        """Wall time the last manifest or state chunk was served: a joiner between two requests is still
-        downloading."""
-        self._state_live = mp.Value(ctypes.c_bool, False)
-        """The host serves a state now (published and not withdrawn): a manifest request that finds it
-        withdrawn waits for the next one (``chunk_transfer.REPUBLISH_WAIT_S``)."""
-
-    def mark_state_live(self, live: bool) -> None:
-        """The host published a state (True) or withdrew it to change it (False)."""
-        self._state_live.value = live
-
-    def bump_state_version(self) -> None:
-        with self._state_version.get_lock():
-            self._state_version.value += 1
-
-    def streams_open(self) -> int:
-        return int(self._streams_open.value)
-
-    def manifests_served(self) -> int:
-        return int(self._manifests_served.value)
-
-    def downloading(self) -> bool:
-        """A joiner is downloading our state: a stream is open, or a manifest or chunk was served moments ago
-        (a joiner between two requests)."""
-        return self.streams_open() > 0 or time.time() - self._last_served.value < _PIN_S
-
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's whole-state stream: closed. Joiners fetch chunks (``rpc_state_chunk``), each verified on
-        receipt; a second way to pull the whole model would only be a second way to load this peer."""
-        return
-        yield  # an async generator that yields nothing
-
-    def set_state_provider(self, provider: StateProvider | None) -> None:
-        """Serve ``provider()`` (metadata dict, tensors) to joiners from now on; ``None`` stops serving."""
-        self._state_provider = provider
-        self.allow_state_sharing = provider is not None
-        self.mark_state_live(provider is not None)
-
-    def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
-        """Called by hivemind in this (host) process when a peer downloads our state."""
-        provider = self._state_provider
-        if provider is None:
-            raise RuntimeError("this peer is not sharing state")
-        metadata, tensors = provider()
-        return metadata, list(tensors), None
-
-    def state_donors(self) -> list[tuple[str, float]]:
-        """Peers announcing shareable state for this run and model: ``(peer id, priority)``, best first."""
-        key = f"{self.prefix}.all_averagers"
-        found = self.dht.get(key, latest=True, return_future=True).result(timeout=30)
-        if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
-            return []
-        donors = []
-        for subkey, entry in list(found.value.items())[:4096]:
-            try:
-                peer = PeerID(subkey)
-            except Exception:
-                continue
-            priority = entry.value if isinstance(entry, ValueWithExpiration) else None
-            if (
-                isinstance(priority, bool)
-                or not isinstance(priority, (int, float))
-                or not math.isfinite(priority)
-            ):
-                continue  # None marks a peer that stopped sharing
-            allowed = getattr(self, "_allowed", None)
-            if allowed is not None and peer.to_base58() not in allowed:
-                continue  # a private swarm takes state only from its own members
-            if peer != self.peer_id:
-                donors.append((peer.to_base58(), float(priority), random.random()))
-        return [(peer, priority) for peer, priority, _ in sorted(donors, key=lambda d: (-d[1], d[2]))]
+def state_donors(dht: Any, prefix: str, own_id: PeerID, allowed: frozenset[str] | None) -> list[tuple[str, float]]:
+    """Peers announcing shareable state under ``{prefix}.all_averagers`` (hivemind's state protocol, the run's
+    and model's prefix): ``(peer id, priority)``, best first; a private swarm's (``allowed``) only."""
+    found = dht.get(f"{prefix}.all_averagers", latest=True, return_future=True).result(timeout=30)
+    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+        return []
+    donors = []
+    for subkey, entry in list(found.value.items())[:4096]:
+        try:
+            peer = PeerID(subkey)
+        except Exception:
+            continue
+        priority = entry.value if isinstance(entry, ValueWithExpiration) else None
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+            continue  # None marks a peer that stopped sharing
+        if allowed is not None and peer.to_base58() not in allowed:
+            continue  # a private swarm takes state only from its own members
+        if peer != own_id:
+            donors.append((peer.to_base58(), float(priority), random.random()))
+    return [(peer, priority) for peer, priority, _ in sorted(donors, key=lambda d: (-d[1], d[2]))]
 
 
 @dataclass
@@ -270,7 +191,7 @@ class StateServer:
 
     def withdraw(self, timeout: float) -> None:
         """The served tensors are about to change: stop handing them out, wait up to ``timeout`` s for the
-        downloads in flight to end (a joiner fetching chunks counts until it paused ``_PIN_S``), then make
+        downloads in flight to end (a joiner fetching chunks counts until it paused ``chunk_transfer.PIN_S``), then make
         any still running stop before their next message."""
         with self._lock:
             self._state = None

@@ -13,7 +13,7 @@ it is held the same two ways, and by a stream that sends nothing at all.
 
 Each stream must be closed by the donor (the attacker reads the end of it) while the attacker keeps its end
 open, and an honest caller must still get the manifest through hivemind's own stub. Undo the registration in
-``AccessControlMixin.add_p2p_handlers`` and no held stream ends: the test fails at its bounded wait.
+``RoundAverager.add_p2p_handlers`` (``access.serve_bounded``) and no held stream ends: the test fails at its bounded wait.
 """
 
 from __future__ import annotations

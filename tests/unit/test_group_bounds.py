@@ -98,79 +98,62 @@ def test_sybils_claiming_tiny_weights_cannot_get_an_honest_peer_banned() -> None
     assert banned == {ids[4].to_base58()}  # ... but only the claim over the run-wide cap is banned
 
 
-def test_state_serving_is_one_download_per_peer_and_a_few_at_once() -> None:
+def test_the_whole_state_stream_answers_nobody() -> None:
+    """hivemind's whole-state download is closed: joiners fetch verified chunks, so nothing is left to bound."""
     import asyncio
     from types import SimpleNamespace
 
     from hivemind.p2p import PeerID
 
-    from p2p_diloco.swarm.access import MAX_STATE_DOWNLOADS, AccessControlMixin
+    from p2p_diloco.swarm.averager import RoundAverager
 
-    class Serving:
-        def __init__(self) -> None:
-            self.gate = asyncio.Event()
+    async def ask() -> list:
+        context = SimpleNamespace(remote_id=PeerID(b"\x02" * 34))
+        return [m async for m in RoundAverager.rpc_download_state(None, None, context)]  # type: ignore[arg-type]
 
-        async def rpc_download_state(self, request, context):  # noqa: ANN001, ANN202
-            await self.gate.wait()
-            yield "state"
-
-    class Donor(AccessControlMixin, Serving):
-        _banned: dict[str, str] = {}  # noqa: RUF012
-        peer_id = PeerID(b"\x01" * 34)
-
-    async def first(donor: Donor, peer: int) -> list[str]:
-        context = SimpleNamespace(remote_id=PeerID(bytes([peer + 2]) * 34))
-        return [m async for m in donor.rpc_download_state(None, context)]
-
-    async def scenario() -> list[list[str]]:
-        donor = Donor()
-        busy = [asyncio.create_task(first(donor, p)) for p in range(MAX_STATE_DOWNLOADS)]
-        await asyncio.sleep(0.05)  # all of them are being served now
-        again, extra = await first(donor, 0), await first(donor, MAX_STATE_DOWNLOADS)
-        donor.gate.set()
-        served = await asyncio.gather(*busy)
-        return [again, extra, *served, await first(donor, MAX_STATE_DOWNLOADS)]
-
-    again, extra, *served, later = asyncio.run(scenario())
-    assert again == [] and extra == []  # a second download by one id, and one past the limit: refused
-    assert served == [["state"]] * MAX_STATE_DOWNLOADS and later == ["state"]  # slots come back
+    assert asyncio.run(ask()) == []
 
 
 def test_chunk_serving_is_bounded_per_peer_and_in_all() -> None:
     import asyncio
+    import contextlib
     from types import SimpleNamespace
 
     from hivemind.p2p import PeerID
 
-    from p2p_diloco.swarm.access import MAX_CHUNK_STREAMS, MAX_CHUNK_STREAMS_PER_PEER, AccessControlMixin
+    from p2p_diloco.swarm.access import MAX_CHUNK_STREAMS, MAX_CHUNK_STREAMS_PER_PEER, AccessGate
+    from tests.averager_process import process_for_tests
 
-    class Serving:
-        def __init__(self) -> None:
-            self.gate = asyncio.Event()
+    def peer(n: int) -> PeerID:
+        return PeerID(bytes([n + 2]) * 34)
 
-        async def rpc_state_chunk(self, request, context):  # noqa: ANN001, ANN202
-            await self.gate.wait()
-            yield "chunk"
+    gate = AccessGate("me", None)
+    with contextlib.ExitStack() as held:
+        # every slot taken: 16 requests from 4 peers
+        assert all(held.enter_context(gate.chunk_slot(peer(n // MAX_CHUNK_STREAMS_PER_PEER))) is None
+                   for n in range(MAX_CHUNK_STREAMS))
+        with gate.chunk_slot(peer(0)) as own, gate.chunk_slot(peer(99)) as other:
+            assert own is not None and own.startswith("busy")  # one more from a peer at its limit: refused
+            assert other is not None and other.startswith("busy")  # one past the total: refused
+    with gate.chunk_slot(peer(0)) as later:
+        assert later is None  # slots come back
+    gate.ban({peer(5).to_base58(): "sent a bad part"})
+    with gate.chunk_slot(peer(5)) as banned, AccessGate("me", frozenset({"x"})).chunk_slot(peer(0)) as stranger:
+        assert banned == "banned: sent a bad part" and stranger == "not in allowed_peers"
 
-    class Donor(AccessControlMixin, Serving):
-        _banned: dict[str, str] = {}  # noqa: RUF012
-        peer_id = PeerID(b"\x01" * 34)
+    # The averager process answers a refused request with nothing, before the served state is even asked for.
+    asked = []
 
-    def context(peer: int) -> SimpleNamespace:
-        return SimpleNamespace(remote_id=PeerID(bytes([peer + 2]) * 34))
+    async def host_state() -> tuple:
+        asked.append(1)
+        raise RuntimeError("withdrawn")
 
-    async def ask(donor: Donor, peer: int) -> list[str]:
-        return [m async for m in donor.rpc_state_chunk(None, context(peer))]
+    process = process_for_tests(host_state=host_state, sharing=lambda: True)
+    process.gate.ban({peer(5).to_base58(): "sent a bad part"})
 
-    async def scenario() -> tuple[list[str], list[str], list[list[str]], list[str]]:
-        donor = Donor()
-        per_peer = MAX_CHUNK_STREAMS_PER_PEER
-        busy = [asyncio.create_task(ask(donor, p // per_peer)) for p in range(MAX_CHUNK_STREAMS)]
-        await asyncio.sleep(0.05)  # every slot taken: 16 requests from 4 peers
-        own, other = await ask(donor, 0), await ask(donor, 99)
-        donor.gate.set()
-        return own, other, await asyncio.gather(*busy), await ask(donor, 0)
+    async def ask(n: int) -> list:
+        request = SimpleNamespace(metadata=b"\x00" * 36)
+        return [m async for m in process.state_chunk(request, SimpleNamespace(remote_id=peer(n)))]  # type: ignore[arg-type]
 
-    own, other, served, later = asyncio.run(scenario())
-    assert own == [] and other == []  # one more from a peer at its limit, and one past the total: refused
-    assert served == [["chunk"]] * MAX_CHUNK_STREAMS and later == ["chunk"]  # slots come back
+    assert asyncio.run(ask(5)) == [] and asked == []
+    assert asyncio.run(ask(0)) == [] and asked == [1]  # an allowed peer's request reaches the server

@@ -31,12 +31,10 @@ from packaging.version import Version
 
 # (class, name, where p2p_diloco uses it). Methods: overridden or called. Fields: read or written.
 METHODS = [
-    (DecentralizedAverager, "_step", "swarm/round_process.py overrides it (one attempt, a RoundResult)"),
-    (DecentralizedAverager, "_aggregate_with_group", "swarm/round_process.py overrides it (plan, robust all-reduce)"),
-    (DecentralizedAverager, "_register_allreduce_group", "swarm/registry.py overrides it"),
-    (DecentralizedAverager, "_shutdown", "swarm/registry.py overrides it"),
+    (DecentralizedAverager, "_shutdown", "swarm/averager.py overrides it (finalizes our runners, swarm/registry.py)"),
+    (DecentralizedAverager, "_run_internal", "swarm/averager.py's run() makes the AveragerProcess before it"),
     (DecentralizedAverager, "_get_current_state_from_host_process",
-     "swarm/chunk_transfer.py calls it (the state to serve, from the training process)"),
+     "swarm/averager.py hands it to chunk_transfer.ChunkServer (the state to serve, from the training process)"),
     (Matchmaking, "_request_join_group", "swarm/access.py wraps it (refuses leaders not allowed)"),
     (Matchmaking, "_check_reasons_to_reject", "swarm/patience.py wraps it"),
     (PotentialLeaders, "_declare_averager_periodically", "swarm/patience.py wraps it"),
@@ -53,11 +51,11 @@ FIELDS = [
     (DecentralizedAverager, "_outer_pipe", "swarm/commands.py sends our commands through it"),
     (DecentralizedAverager, "_inner_pipe", "swarm/averager.py makes its reads blocking (uvloop made them not)"),
     (DecentralizedAverager, "_averaged_tensors", "swarm/averager.py reads the buffers back"),
-    (DecentralizedAverager, "_matchmaking", "swarm/averager.py, round_process.py, access.py, patience.py"),
-    (DecentralizedAverager, "_pending_groups_registered", "swarm/round_process.py, registry.py"),
-    (DecentralizedAverager, "_running_groups", "swarm/round_process.py, registry.py"),
-    (DecentralizedAverager, "_allreduce_timeout", "swarm/round_process.py"),
-    (DecentralizedAverager, "_p2p", "swarm/round_process.py, swarm/state.py"),
+    (DecentralizedAverager, "_matchmaking", "swarm/averager.py hands it to round_process.py, access.py, patience.py"),
+    (DecentralizedAverager, "_pending_groups_registered", "swarm/averager.py hands it to round_process.py, registry.py"),
+    (DecentralizedAverager, "_running_groups", "swarm/averager.py hands it to round_process.py, registry.py"),
+    (DecentralizedAverager, "_allreduce_timeout", "swarm/averager.py hands it to round_process.py"),
+    (DecentralizedAverager, "_p2p", "swarm/averager.py (the all-reduce runners and the chunk fetcher's stubs)"),
     (Matchmaking, "step_control", "swarm/access.py"),
     (Matchmaking, "lock_request_join_group", "swarm/quorum.py takes it to form a group early"),
     (Matchmaking, "assembled_group", "swarm/quorum.py"),
@@ -91,10 +89,8 @@ PATCHED_FIELDS = [
 ]
 # Overrides must keep hivemind's parameters: hivemind calls them.
 SIGNATURES = {
-    (DecentralizedAverager, "_step"): ["self", "step", "future_for_init"],
-    (DecentralizedAverager, "_aggregate_with_group"): ["self", "group_info", "min_vector_size", "kwargs"],
-    (DecentralizedAverager, "_register_allreduce_group"): ["self", "group_info"],
     (DecentralizedAverager, "_shutdown"): ["self", "timeout"],
+    (DecentralizedAverager, "run"): ["self"],
     (DecentralizedAverager, "_get_current_state_from_host_process"): ["self"],
     (Matchmaking, "get_request_expiration_time"): ["self"],  # replaced by a lambda taking nothing
 }
@@ -196,6 +192,14 @@ def test_the_swarm_layer_uses_no_other_hivemind_private_name() -> None:
             used.setdefault(name, path.name)
     unnamed = {n: f for n, f in used.items() if n in theirs and n not in named and n not in ours_defined}
     assert not unnamed, f"hivemind private names used but not listed in this tripwire: {unnamed}"
+
+
+def test_the_averager_process_is_made_where_hivemind_s_loop_runs() -> None:
+    """``RoundAverager.run`` makes the averager process's side, then calls hivemind's ``run``: that must run
+    hivemind's loop (``_run_internal``) in this same process (a thread of it), where the RPC handlers and
+    commands then find that side."""
+    run = inspect.getsource(DecentralizedAverager.run)
+    assert "_run_internal" in run and "Process(" not in run, "hivemind's run() no longer runs its loop here"
 
 
 def test_the_averager_process_runs_a_command_by_its_method_name() -> None:

@@ -5,14 +5,13 @@ still in flight, and the follower searched on while the leader counted it in).""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
-from p2p_diloco.swarm.access import AccessControlMixin
-from p2p_diloco.swarm.patience import JoinTiming
-from p2p_diloco.swarm.quorum import EarlyAssembly
+from tests.averager_process import process_for_tests
 
 CONTEXT = SimpleNamespace(remote_id=PeerID(b"\x02" * 34))
 
@@ -28,15 +27,11 @@ class _Matchmaking:
             yield averaging_pb2.MessageFromLeader(code=code)
 
 
-class _Leader(AccessControlMixin, _Matchmaking):
-    _allowed = None
-    _banned: dict[str, str] = {}  # noqa: RUF012
-    _matchmaking = None  # not searching: no epoch check
-
-    def __init__(self, codes: list[int], hold_s: float):
-        super().__init__(codes)
-        self._join_timing = JoinTiming(request_timeout=hold_s / 2)
-        self._early = EarlyAssembly(3)
+def _join(codes: list[int], hold_s: float) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    """The join handler of a leader that is not searching (no epoch check), holding for ``hold_s``."""
+    process = process_for_tests(request_timeout_s=hold_s / 2, matchmaking_time_s=max(1.0, hold_s),
+                                matchmaking_timeout_s=max(2.0, 2 * hold_s), min_group_size=3)
+    return process.join_group(_request(), CONTEXT, None, _Matchmaking(codes).rpc_join_group)
 
 
 def _request() -> averaging_pb2.JoinRequest:
@@ -45,8 +40,7 @@ def _request() -> averaging_pb2.JoinRequest:
 
 def test_the_stream_stays_open_after_begin_allreduce_until_the_follower_closes_it() -> None:
     async def scenario() -> tuple[list[int], bool, bool]:
-        leader = _Leader([averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE], hold_s=600.0)
-        stream = leader.rpc_join_group(_request(), CONTEXT)
+        stream = _join([averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE], hold_s=60.0)
         codes = [(await anext(stream)).code, (await anext(stream)).code]
         rest = asyncio.ensure_future(anext(stream))
         for _ in range(20):  # let the handler run as far as it can: it must stop at the hold
@@ -64,13 +58,13 @@ def test_the_stream_stays_open_after_begin_allreduce_until_the_follower_closes_i
 
 def test_the_hold_is_bounded_and_only_follows_begin_allreduce() -> None:
     async def messages(codes: list[int], hold_s: float) -> list[int]:
-        return [m.code async for m in _Leader(codes, hold_s).rpc_join_group(_request(), CONTEXT)]
+        return [m.code async for m in _join(codes, hold_s)]
 
     async def scenario() -> tuple[list[int], list[int]]:
         # a follower that died never closes: the stream ends after hold_s (0.2 s here) all the same
         begun = await asyncio.wait_for(messages([averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE], 0.2), 30)
         # a disbanded group ends at once, even with a long hold: the follower reads that message and moves on
-        disbanded = await asyncio.wait_for(messages([averaging_pb2.ACCEPTED, averaging_pb2.GROUP_DISBANDED], 600), 30)
+        disbanded = await asyncio.wait_for(messages([averaging_pb2.ACCEPTED, averaging_pb2.GROUP_DISBANDED], 60), 30)
         return begun, disbanded
 
     begun, disbanded = asyncio.run(scenario())

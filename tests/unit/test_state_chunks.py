@@ -28,7 +28,7 @@ from p2p_diloco.swarm.checksum import (
     state_sha256,
     tensor_manifest,
 )
-from p2p_diloco.swarm.chunk_transfer import ChunkTransferMixin, read_chunk, state_chunk_map, write_chunk
+from p2p_diloco.swarm.chunk_transfer import ChunkFetcher, read_chunk, state_chunk_map, write_chunk
 from p2p_diloco.swarm.partial import PartialStore
 from p2p_diloco.swarm.state import check_state_metadata, download_state, make_state_metadata
 from p2p_diloco.swarm.state_server import StateServer
@@ -424,8 +424,8 @@ def test_one_silent_donor_holds_a_manifest_fetch_only_a_grace_after_the_others_a
     import time
     from concurrent.futures import Future
 
-    class _Donors:
-        async def _request(self, peer: str, sha: str | None, index: int, max_bytes: int) -> tuple[bytes, bytes]:
+    class _Donors(ChunkFetcher):
+        async def request(self, peer: str, sha: str | None, index: int, max_bytes: int) -> tuple[bytes, bytes]:
             if peer == "silent":
                 await asyncio.sleep(3600)
             if peer == "empty":
@@ -434,8 +434,8 @@ def test_one_silent_donor_holds_a_manifest_fetch_only_a_grace_after_the_others_a
 
     future: Future = Future()
     began = time.monotonic()
-    asyncio.run(ChunkTransferMixin._fetch_manifests(_Donors(), ["silent", "honest", "empty"],  # type: ignore[arg-type]
-                                                     timeout=30.0, max_bytes=1024, base=None, future=future))
+    asyncio.run(_Donors(stub=lambda peer: None, next_chunk_timeout=5.0).fetch_manifests(
+        ["silent", "honest", "empty"], timeout=30.0, max_bytes=1024, base=None, future=future))
     answers = future.result(timeout=1)
     assert time.monotonic() - began < 29.0  # bounded by the grace, with room for a loaded machine
     assert answers["honest"] == b"manifest of honest"

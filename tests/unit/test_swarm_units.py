@@ -337,7 +337,7 @@ def test_more_due_peers_than_one_group_holds_is_told_to_the_operator_once_per_50
 
 
 class _Control:
-    """A ``StepControl`` stand-in for ``RoundAverager._wait``: no result yet, a stage, a cancel."""
+    """A ``StepControl`` stand-in for ``round_wait.wait_for_round``: no result yet, a stage, a cancel."""
 
     def __init__(self, stage, result=None, answer_after: int = 10**9) -> None:  # noqa: ANN001
         self.stage, self._result, self.cancelled, self.asks = stage, result, False, 0
@@ -363,10 +363,10 @@ def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.
     from hivemind.averaging.control import AveragingStage
 
     from p2p_diloco.core.rounds import Outcome, RoundResult
-    from p2p_diloco.swarm import averager
-    from p2p_diloco.swarm.averager import RoundAverager
+    from p2p_diloco.swarm import round_wait
+    from p2p_diloco.swarm.round_wait import wait_for_round
 
-    monkeypatch.setattr(averager, "LEFT_BEHIND_POLL_S", 0.01)
+    monkeypatch.setattr(round_wait, "LEFT_BEHIND_POLL_S", 0.01)
 
     asked: list[int] = []
     requests: list[int] = []
@@ -379,61 +379,58 @@ def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.
     # result; this thread never cancels the step (a group may have formed since it read the stage).
     stopped = RoundResult(Outcome.SKIPPED, "the swarm left epoch 3 before a group formed", 3, left_behind=True)
     looking = _Control(AveragingStage.LOOKING_FOR_GROUP, stopped, answer_after=20)
-    assert RoundAverager._wait(looking, 60.0, left_behind, give_up=lambda: requests.append(1)) is stopped  # type: ignore[arg-type]
+    assert wait_for_round(looking, 60.0, left_behind, give_up=lambda: requests.append(1)) is stopped  # type: ignore[arg-type]
     assert not looking.cancelled and len(asked) == 2 and requests == [1]
     # The process refused (its group had formed): the group's all-reduce is this round's result.
     asked.clear(), requests.clear()
     formed = RoundResult(Outcome.AVERAGED, "", 3)
     joined = _Control(AveragingStage.LOOKING_FOR_GROUP, formed, answer_after=20)
-    assert RoundAverager._wait(joined, 60.0, left_behind, give_up=lambda: requests.append(1)) is formed  # type: ignore[arg-type]
+    assert wait_for_round(joined, 60.0, left_behind, give_up=lambda: requests.append(1)) is formed  # type: ignore[arg-type]
     assert not joined.cancelled and requests == [1]
     # Within the round's window the question says so (a record ahead may be an eager peer still averaging this
     # epoch: only the others' finished round may end the search, Evidence.round_over), and a "no" goes on waiting.
     opens: list[bool] = []
     requests.clear()
     patient = _Control(AveragingStage.LOOKING_FOR_GROUP, RoundResult(Outcome.AVERAGED, "", 3), answer_after=50)
-    assert RoundAverager._wait(patient, 60.0, lambda window_open: opens.append(window_open) or not window_open,  # type: ignore[arg-type]
-                               after_s=3600.0, give_up=lambda: requests.append(1)).averaged
+    assert wait_for_round(patient, 60.0, lambda window_open: opens.append(window_open) or not window_open,  # type: ignore[arg-type]
+                          after_s=3600.0, give_up=lambda: requests.append(1)).averaged
     assert not requests and not patient.cancelled
     assert len(opens) >= 10 and all(opens)  # asked every LEFT_BEHIND_POLL_S, each time with the window open
     # ... and the window's end is asked at once, as closed: a peer left behind gives up then.
     opens.clear(), requests.clear()
     stopped_late = _Control(AveragingStage.LOOKING_FOR_GROUP, stopped, answer_after=10**6)
-    monkeypatch.setattr(averager, "LEFT_BEHIND_POLL_S", 60.0)  # no poll before the window ends
+    monkeypatch.setattr(round_wait, "LEFT_BEHIND_POLL_S", 60.0)  # no poll before the window ends
     # (without the ask at the window's end the next one would fall at the budget's end: TimeoutError)
-    assert RoundAverager._wait(stopped_late, 60.0, lambda window_open: opens.append(window_open) or not window_open,  # type: ignore[arg-type]
+    assert wait_for_round(stopped_late, 60.0, lambda window_open: opens.append(window_open) or not window_open,  # type: ignore[arg-type]
                                after_s=0.2, give_up=lambda: (requests.append(1), stopped_late.answer_now())
                                ) is stopped
     assert opens == [False] and requests == [1]
-    monkeypatch.setattr(averager, "LEFT_BEHIND_POLL_S", 0.01)
+    monkeypatch.setattr(round_wait, "LEFT_BEHIND_POLL_S", 0.01)
     # Once the all-reduce runs, the round is never abandoned: it is waited for until its result.
     done = RoundResult(Outcome.AVERAGED, "", 3)
     running = _Control(AveragingStage.RUNNING_ALLREDUCE, done, answer_after=3)
     asked.clear(), requests.clear()
-    assert RoundAverager._wait(running, 60.0, lambda window_open: True, give_up=lambda: requests.append(1)) is done  # type: ignore[arg-type]
+    assert wait_for_round(running, 60.0, lambda window_open: True, give_up=lambda: requests.append(1)) is done  # type: ignore[arg-type]
     assert not running.cancelled and not asked and not requests
     # Without the question, a round waits its whole budget, in one wait.
     alone = _Control(AveragingStage.LOOKING_FOR_GROUP)
     with pytest.raises(TimeoutError):
-        RoundAverager._wait(alone, 0.01, None)  # type: ignore[arg-type]
+        wait_for_round(alone, 0.01, None)  # type: ignore[arg-type]
     assert not alone.cancelled
 
 
 def test_a_give_up_request_only_marks_a_running_search() -> None:
-    from hivemind.utils import MPFuture
+    from p2p_diloco.swarm.round_process import SearchStop
 
-    from p2p_diloco.swarm.round_process import RoundProcessMixin
+    async def scenario() -> tuple[bool, bool, bool, bool]:
+        search = SearchStop()
+        idle = search.request()  # between searches: nothing to stop
+        running = search.begin()
+        asked = search.request()
+        search.end()
+        return idle, asked, running.is_set(), search.request()
 
-    async def scenario() -> tuple[bool, bool, bool]:
-        process = RoundProcessMixin()
-        idle = MPFuture()
-        await process._give_up_requested(idle)  # between searches: nothing to stop
-        process._search_give_up = asyncio.Event()
-        searching = MPFuture()
-        await process._give_up_requested(searching)
-        return idle.result(timeout=1), searching.result(timeout=1), process._search_give_up.is_set()
-
-    assert asyncio.run(scenario()) == (False, True, True)
+    assert asyncio.run(scenario()) == (False, True, True, False)
 
 
 class _Peer:
