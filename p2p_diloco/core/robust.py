@@ -61,6 +61,25 @@ NORM_OUTLIER_FACTOR = 20.0
 """``SwarmConfig.norm_outlier_factor``'s default."""
 
 
+def norm_statistics(vectors: Sequence[torch.Tensor], weights: Sequence[float] | None = None
+                    ) -> tuple[list[int], dict[int, float]]:
+    """The norm screen's statistic per vector (:func:`norm_outliers`): ``norm / weight**2`` of every non-zero
+    vector with a positive weight, and the indices flagged whatever the statistics say (a non-finite norm, a
+    non-zero vector under a zero weight). Reducers log it with a rejection, so that a ban can be checked."""
+    norms = [float(torch.linalg.vector_norm(v.double())) for v in vectors]
+    flagged = [i for i, norm in enumerate(norms) if not math.isfinite(norm)]
+    stats: dict[int, float] = {}
+    for i, norm in enumerate(norms):
+        if i in flagged or norm == 0.0:
+            continue
+        weight = 1.0 if weights is None else float(weights[i])
+        if weights is not None and not weight > 0:
+            flagged.append(i)
+            continue
+        stats[i] = norm / (weight * weight)
+    return flagged, stats
+
+
 def norm_outliers(
     vectors: Sequence[torch.Tensor], factor: float, min_count: int = 3, weights: Sequence[float] | None = None,
     anchor: int | None = None,
@@ -85,17 +104,7 @@ def norm_outliers(
     """
     if factor <= 0:
         return []
-    norms = [float(torch.linalg.vector_norm(v.double())) for v in vectors]
-    flagged = [i for i, norm in enumerate(norms) if not math.isfinite(norm)]
-    stats: dict[int, float] = {}
-    for i, norm in enumerate(norms):
-        if i in flagged or norm == 0.0:
-            continue
-        weight = 1.0 if weights is None else float(weights[i])
-        if weights is not None and not weight > 0:
-            flagged.append(i)
-            continue
-        stats[i] = norm / (weight * weight)
+    flagged, stats = norm_statistics(vectors, weights)
     if len(stats) >= min_count:
         ordered = sorted(stats.values())
         median = ordered[(len(ordered) - 1) // 2]  # the lower median: one huge outlier cannot raise it

@@ -33,7 +33,7 @@ import torch
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 
 from p2p_diloco.core.bounds import clip_to_budget
-from p2p_diloco.core.robust import PartResult, reduce_part
+from p2p_diloco.core.robust import PartResult, norm_statistics, reduce_part
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +183,8 @@ class RobustPartReducer(TensorPartReducer):
             result = PartResult(None, (), f"reduction failed: {e!r}")
         for index in result.outliers:
             self.rejections[index] = f"pseudo-gradient norm over {self.norm_factor:g}x the group's median"
+        if result.outliers:
+            self._log_screen(accepted, result.outliers)
         self.dropped.update(result.dropped)
         if result.fault is not None:
             self.reduce_faults.append(f"part {self.current_part_index}: {result.fault}")
@@ -192,6 +194,19 @@ class RobustPartReducer(TensorPartReducer):
         self.current_part_future.set_result(value)
         self._received = {}
         self.reset_accumulators()
+
+    def _log_screen(self, accepted: dict[int, torch.Tensor], outliers: tuple[int, ...]) -> None:
+        """Log the norm screen's statistics of a part that cost senders their place (and perhaps a ban), so that
+        a rejection can be checked afterwards. Never raises: the part must still complete."""
+        try:
+            order = sorted(accepted)
+            _, stats = norm_statistics([accepted[i] for i in order], [self.claimed_weights[i] for i in order])
+            logger.warning("Part %d (%d values): rejected %s on the norm screen; norm per claimed weight squared "
+                           "by sender: %s", self.current_part_index, accepted[order[0]].numel() if order else 0,
+                           [self.sender_ids[i] for i in outliers],
+                           {self.sender_ids[order[k]]: f"{v:.3g}" for k, v in sorted(stats.items())})
+        except Exception:  # noqa: BLE001 - a log line, never the round
+            logger.debug("Could not log the norm screen of part %d", self.current_part_index, exc_info=True)
 
     def rejected(self) -> dict[str, str]:
         """``{sender id: reason}`` for every sender whose data this reducer dropped."""

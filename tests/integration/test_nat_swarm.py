@@ -140,9 +140,9 @@ def test_client_mode_home_peers_average_with_a_public_full_peer(tmp_path: Path) 
                            "(Evidence.round_over). In one failure the slow peer chased the swarm for all its rounds: "
                            "each catch-up through the relay took about 4.5 s, the leader's learned window was 3 s, "
                            "and a due peer that is cut every round never proves it was late, so the window never "
-                           "grew (core.deadlines). In the other a peer already averaging was left out of 3 groups "
-                           "in a row while searching with the others, cause not found. Run with "
-                           "P2P_DILOCO_RELAY_TESTS=1")
+                           "grew (core.deadlines). In the other an honest peer's reducer banned another honest peer "
+                           "on the norm screen in a fold round, and the two never grouped again (the reducer now "
+                           "logs the screen's statistics with a rejection). Run with P2P_DILOCO_RELAY_TESTS=1")
 def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Path) -> None:
     """Guide choice 3: three home peers, nobody public but the bootstrap node, which relays. One of them is
     slow through its first round and misses it, so it must also catch up through the relay: download the

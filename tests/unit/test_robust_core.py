@@ -102,12 +102,16 @@ def test_reducer_rejects_nan_wrong_shape_and_dtype_and_renormalises_the_rest() -
     torch.testing.assert_close(result, torch.full((4,), 7.0 / 4.0))
 
 
-def test_reducer_drops_banned_senders_and_norm_outliers() -> None:
+def test_reducer_drops_banned_senders_and_norm_outliers(caplog: pytest.LogCaptureFixture) -> None:
     parts = [torch.full((64,), 1.0), torch.full((64,), 1.2), torch.full((64,), 0.8), torch.full((64,), 1e6)]
-    result, rejected = _reduce(parts, [1.0] * 4, banned=frozenset({"peer1"}))
+    with caplog.at_level("WARNING", logger="p2p_diloco.swarm.reducer"):
+        result, rejected = _reduce(parts, [1.0] * 4, banned=frozenset({"peer1"}))
     assert rejected["peer1"] == "banned earlier in this run"
     assert "norm" in rejected["peer3"]
     torch.testing.assert_close(result, torch.full((64,), 0.9))
+    # the screen's statistics are logged with the rejection, so a ban can be checked afterwards
+    screen = [r.getMessage() for r in caplog.records if "norm screen" in r.getMessage()]
+    assert len(screen) == 1 and "(64 values): rejected ['peer3']" in screen[0] and "'peer3': '8e+06'" in screen[0], screen
 
 
 def test_reducer_with_centered_clip_outvotes_a_sign_flip_attack() -> None:
