@@ -191,6 +191,7 @@ class ChunkServer:
             return cache
         self._cache = None
         if not self._sharing():
+            logger.debug("No state to serve: this peer does not share state now")
             return None
         try:
             metadata, tensors, _ = await self._host_state()
@@ -198,6 +199,7 @@ class ChunkServer:
             logger.debug("No state to serve: %r", e)
             return None
         if self.counters.version.value != version:
+            logger.debug("No state to serve: the state changed while it was fetched from the training process")
             return None
         cache = self._cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
         return cache
@@ -229,7 +231,9 @@ class ChunkServer:
                 return
             if index == MANIFEST:
                 manifest = served.manifests.get(sha)
-                if manifest is not None:
+                if manifest is None:
+                    logger.debug("No manifest for digest %s: another state is served now", sha[:12])
+                else:
                     with counters.manifests_served.get_lock():
                         counters.manifests_served.value += 1
                     # A joiner holding a manifest is downloading: it asks for chunks once the other donors it
