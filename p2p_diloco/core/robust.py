@@ -61,6 +61,28 @@ NORM_OUTLIER_FACTOR = 20.0
 """``SwarmConfig.norm_outlier_factor``'s default."""
 
 
+def screen_weights(fresh: float, late: float) -> tuple[float, float]:
+    """The weights the norm screen divides one member's parts by: ``(fresh region, late-work region)``.
+
+    Each region's part carries only that region's work (``core.delayed.fold_scales`` scales the fresh
+    pseudo-gradient by the fresh weight and the late work by its own), so each is normalised by its own
+    weight. Dividing both by the sum, as the screen did, shrank the statistic of every member that folded
+    late work by ``(fresh / (fresh + late))**2`` (4x for one round of late work, 9x for two): a reducer that
+    folded anchored the screen on its own shrunken part, and an honest groupmate's ordinary spread (3-6x
+    between honest peers in the simulator, a joiner's fresh optimizer included) could cross the 20x bound. A
+    live relayed run saw an honest peer banned by another in a fold round, which this is one way to. In the
+    simulator (4 peers, 2 folding one round each), the largest ratio of an honest part's statistic to a
+    folder's anchored median fell from 5.3x to 1.9x with these weights.
+
+    A member without work in a region sends zeros there, which the screen skips; but a codec's error
+    feedback adds the residual of earlier rounds to a zeroed fresh region, so a region without weight falls
+    back to the member's total (what the screen used before). A member with no weight at all that sends data
+    is flagged, as before.
+    """
+    total = fresh + late
+    return (fresh if fresh > 0 else total, late if late > 0 else total)
+
+
 def norm_statistics(vectors: Sequence[torch.Tensor], weights: Sequence[float] | None = None
                     ) -> tuple[list[int], dict[int, float]]:
     """The norm screen's statistic per vector (:func:`norm_outliers`): ``norm / weight**2`` of every non-zero
@@ -238,7 +260,8 @@ def reduce_part(
     :param sender_weights: every sender's fresh weight (0 for members with only late work), indexed like
       ``parts``; their count is the group size ``n`` of the pre-scaling.
     :param norm_factor: see :func:`norm_outliers`; 0 disables the screen.
-    :param claimed_weights: fresh plus late weight per sender, for the norm screen (default sender_weights).
+    :param claimed_weights: per sender, the weight of the work in this part (:func:`screen_weights`), for the
+      norm screen (default sender_weights).
     :param own: the reducer's own sender index. A part over the median's bound is left out of this part;
       its sender is banned only when it is also over the bound of the reducer's own part (``norm_outliers``'s
       anchor): the median is whatever the group's majority, Sybils perhaps, sends, and a ban must rest on

@@ -32,6 +32,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from p2p_diloco.config import is_run_id
 from p2p_diloco.core.bounds import clip_claims
 from p2p_diloco.core.delayed import RoundStats, fold_scales, group_stats
+from p2p_diloco.core.robust import screen_weights
 
 GATHER_VERSION = 2
 MAX_WEIGHT = 1e12
@@ -189,6 +190,12 @@ class GroupPlan:
     def fresh_weights(self) -> list[float]:
         """Each member's fresh weight, 0 for members without fresh work: the reducers' ``sender_weights``."""
         return [m.weight if m.has_fresh else 0.0 for m in self.members]
+
+    def screen_weights(self) -> list[tuple[float, float]]:
+        """Per member, what the reducers' norm screen divides its fresh and late-work parts by
+        (``core.robust.screen_weights``)."""
+        return [screen_weights(m.weight if m.has_fresh else 0.0, m.stale_weight if m.has_stale else 0.0)
+                for m in self.members]
 
     def sender_limits(self, factor: float, tolerance: float) -> list[tuple[float, float]]:
         """Per member, the most its pre-scaled fresh and stale parts may weigh in L2 norm, all parts of one

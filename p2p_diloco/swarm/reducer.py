@@ -57,13 +57,15 @@ class RobustPartReducer(TensorPartReducer):
     :param sender_ids: base58 ids of the senders, in hivemind's sender order.
     :param sender_weights: each sender's fresh weight in the plan (0 for members with only stale work); the
       pre-scaled inputs are renormalised by the accepted ones (``core.robust.rescale_factor``).
-    :param claimed_weights: each sender's fresh plus late weight, for the norm screen (default: sender_weights).
+    :param screen_weights: per sender, the weights the norm screen divides its fresh and late-work parts by
+      (``core.robust.screen_weights``); default: ``sender_weights`` for both.
     :param method: one of ``core.robust.AGGREGATIONS``.
     :param norm_factor: ``SwarmConfig.norm_outlier_factor``; 0 disables the norm screen.
     :param banned: senders banned earlier in this run; all their parts are dropped.
     :param limits: per sender, the L2 norm its fresh and stale parts may reach together
       (``GroupPlan.sender_limits``); ``None`` clips nothing.
-    :param regions: per part, 0 when it belongs to a fresh tensor and 1 for a stale one (needed with ``limits``).
+    :param regions: per part, 0 when it belongs to a fresh tensor and 1 for a stale one (needed with ``limits``;
+      without it every part counts as fresh for the norm screen).
     :param own: our own sender index: our part anchors the norm screen (``core.robust.reduce_part``).
     """
 
@@ -74,7 +76,7 @@ class RobustPartReducer(TensorPartReducer):
         sender_ids: Sequence[str],
         sender_weights: Sequence[float],
         *,
-        claimed_weights: Sequence[float] | None = None,
+        screen_weights: Sequence[tuple[float, float]] | None = None,
         method: str,
         norm_factor: float,
         banned: frozenset[str] = frozenset(),
@@ -86,6 +88,10 @@ class RobustPartReducer(TensorPartReducer):
             raise ValueError("one weight per sender is needed")
         if limits is not None and (len(limits) != len(sender_ids) or len(regions) != len(part_shapes)):
             raise ValueError("limits need one entry per sender and regions one per part")
+        if regions and len(regions) != len(part_shapes):
+            raise ValueError("regions need one entry per part")
+        if screen_weights is not None and len(screen_weights) != len(sender_ids):
+            raise ValueError("screen_weights need one entry per sender")
         self.limits, self.regions = limits, tuple(regions)
         self._spent = [[0.0, 0.0] for _ in sender_ids]  # squared norm accepted so far, per sender and region
         self.clipped: set[str] = set()
@@ -93,8 +99,9 @@ class RobustPartReducer(TensorPartReducer):
         self.part_dtype = part_dtype
         self.sender_ids = tuple(sender_ids)
         self.sender_weights = tuple(float(w) for w in sender_weights)
-        # Fresh plus late weight: what the norm screen normalises by (see core.robust.norm_outliers).
-        self.claimed_weights = tuple(float(w) for w in (claimed_weights or sender_weights))
+        # What the norm screen divides each sender's parts by, per region (core.robust.screen_weights).
+        self.screen_weights = tuple((float(f), float(s)) for f, s in screen_weights) if screen_weights is not None \
+            else tuple((w, w) for w in self.sender_weights)
         self.method, self.norm_factor, self.own = method, norm_factor, own
         self.rejections: dict[int, str] = {
             i: "banned earlier in this run" for i, peer in enumerate(sender_ids) if peer in banned
@@ -177,7 +184,7 @@ class RobustPartReducer(TensorPartReducer):
         # The same function the simulator reduces with (core.robust.GroupReduction), so its losses are ours.
         try:
             result = reduce_part(accepted, self.sender_weights, method=self.method, norm_factor=self.norm_factor,
-                                 claimed_weights=self.claimed_weights, own=self.own)
+                                 claimed_weights=self._part_screen_weights(), own=self.own)
         except Exception as e:  # the part must still complete (as a fault, which makes the round skip)
             logger.exception("Could not reduce part %d", self.current_part_index)
             result = PartResult(None, (), f"reduction failed: {e!r}")
@@ -195,14 +202,22 @@ class RobustPartReducer(TensorPartReducer):
         self._received = {}
         self.reset_accumulators()
 
+    def _part_screen_weights(self) -> list[float]:
+        """Each sender's weight for the norm screen of the current part: that of the part's region."""
+        region = self.regions[self.current_part_index] if self.regions else 0
+        return [weights[region] for weights in self.screen_weights]
+
     def _log_screen(self, accepted: dict[int, torch.Tensor], outliers: tuple[int, ...]) -> None:
         """Log the norm screen's statistics of a part that cost senders their place (and perhaps a ban), so that
         a rejection can be checked afterwards. Never raises: the part must still complete."""
         try:
             order = sorted(accepted)
-            _, stats = norm_statistics([accepted[i] for i in order], [self.claimed_weights[i] for i in order])
-            logger.warning("Part %d (%d values): rejected %s on the norm screen; norm per claimed weight squared "
-                           "by sender: %s", self.current_part_index, accepted[order[0]].numel() if order else 0,
+            weights = self._part_screen_weights()
+            _, stats = norm_statistics([accepted[i] for i in order], [weights[i] for i in order])
+            logger.warning("Part %d (%d values, %s region): rejected %s on the norm screen; norm per claimed weight "
+                           "squared by sender: %s", self.current_part_index,
+                           accepted[order[0]].numel() if order else 0,
+                           "late-work" if self.regions and self.regions[self.current_part_index] else "fresh",
                            [self.sender_ids[i] for i in outliers],
                            {self.sender_ids[order[k]]: f"{v:.3g}" for k, v in sorted(stats.items())})
         except Exception:  # noqa: BLE001 - a log line, never the round

@@ -335,8 +335,7 @@ class RoundProcess:
             robust = dict(
                 sender_weights=plan.fresh_weights(),
                 limits=limits,
-                claimed_weights=[(m.weight if m.has_fresh else 0.0) + (m.stale_weight if m.has_stale else 0.0)
-                                 for m in plan.members],
+                screen_weights=plan.screen_weights(),
                 method=self.cfg.aggregation,
                 norm_factor=self.cfg.norm_outlier_factor,
                 banned=frozenset(self.gate.banned),

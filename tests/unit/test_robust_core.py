@@ -111,7 +111,7 @@ def test_reducer_drops_banned_senders_and_norm_outliers(caplog: pytest.LogCaptur
     torch.testing.assert_close(result, torch.full((64,), 0.9))
     # the screen's statistics are logged with the rejection, so a ban can be checked afterwards
     screen = [r.getMessage() for r in caplog.records if "norm screen" in r.getMessage()]
-    assert len(screen) == 1 and "(64 values): rejected ['peer3']" in screen[0] and "'peer3': '8e+06'" in screen[0], screen
+    assert len(screen) == 1 and "(64 values, fresh region): rejected ['peer3']" in screen[0] and "'peer3': '8e+06'" in screen[0], screen
 
 
 def test_reducer_with_centered_clip_outvotes_a_sign_flip_attack() -> None:
@@ -318,6 +318,42 @@ def test_a_part_of_a_single_value_never_gets_an_honest_peer_banned() -> None:
     assert list(rejected) == ["peer2"]
 
 
+def test_a_fold_round_screens_each_region_by_its_own_weight() -> None:
+    """Members that fold late work are judged in each region by that region's weight, not fresh plus late.
+
+    Four members of fresh weight 1; peers 0 and 1 (peer 0 reduces) also fold late work of weight 2 (two
+    missed rounds). Every fresh part is an honest one of the same size per weight, except peer 3's, a joiner's
+    6x (a fresh inner optimizer moves every coordinate). Divided by fresh plus late weight, the folders' parts
+    shrank 9x, the reducer's own anchor with them, and the joiner stood 49x over the median: banned. By
+    region it is 6x."""
+    from p2p_diloco.core.robust import screen_weights
+
+    assert screen_weights(1.0, 2.0) == (1.0, 2.0)
+    assert screen_weights(0.0, 2.0) == (2.0, 2.0)  # a zeroed region may still carry a codec's residual
+    assert screen_weights(1.0, 0.0) == (1.0, 1.0)
+    fresh = [torch.full((64,), v) for v in (1.0, 1.1, 0.9, 6.0)]
+    weights = [(1.0, 2.0), (1.0, 2.0), (1.0, 0.0), (1.0, 0.0)]
+    _, rejected = _reduce(fresh, [1.0] * 4, screen_weights=[screen_weights(f, s) for f, s in weights])
+    assert rejected == {}
+    _, rejected = _reduce(fresh, [1.0] * 4, screen_weights=[(f + s, f + s) for f, s in weights])
+    assert list(rejected) == ["peer3"]  # the sum, as before: an honest joiner banned
+    # the late-work region of another group: three members fold one round each (late weight 1, the same size
+    # of part); two also trained a long fresh phase (weight 9), the third has no fresh work. By the sum, the
+    # reducer's anchor shrank 100x and the third member stood 90x over it; by the late weight they are equal.
+    late = [torch.full((64,), v) for v in (1.0, 1.1, 0.9)]
+    weights = [(9.0, 1.0), (9.0, 1.0), (0.0, 1.0)]
+    _, rejected = _reduce(late, [9.0, 9.0, 0.0], regions=[1], screen_weights=[screen_weights(f, s) for f, s in weights])
+    assert rejected == {}
+    _, rejected = _reduce(late, [9.0, 9.0, 0.0], regions=[1], screen_weights=[(f + s, f + s) for f, s in weights])
+    assert list(rejected) == ["peer2"]
+    fresh = [torch.full((64,), v) for v in (1.0, 1.1, 0.9, 6.0)]
+    weights = [(1.0, 2.0), (1.0, 2.0), (1.0, 0.0), (1.0, 0.0)]
+    # a 100x attack in the fresh region is still caught by the folder's anchored screen
+    fresh[3] = torch.full((64,), 100.0)
+    _, rejected = _reduce(fresh, [1.0] * 4, screen_weights=[screen_weights(f, s) for f, s in weights])
+    assert list(rejected) == ["peer3"]
+
+
 def test_sybils_sending_tiny_parts_cannot_get_an_honest_sender_banned() -> None:
     # reducer peer0 and sender peer1 are honest; three Sybils send near-zero parts to drag the median down
     honest = [torch.full((64,), 1.0), torch.full((64,), 1.5)]
@@ -325,7 +361,7 @@ def test_sybils_sending_tiny_parts_cannot_get_an_honest_sender_banned() -> None:
     value, rejected = _reduce([*honest, *sybils], [1.0] * 5)
     assert rejected == {}  # before: the lower median was a Sybil's, and both honest parts were 10^6 x over it
     # without its own part as a yardstick, a reducer leaves the flagged part out but bans nobody
-    _, rejected = _reduce([torch.zeros(64), honest[1], *sybils], [1.0] * 5, claimed_weights=[1.0] * 5)
+    _, rejected = _reduce([torch.zeros(64), honest[1], *sybils], [1.0] * 5, screen_weights=[(1.0, 1.0)] * 5)
     assert rejected == {}
     # a scaled attack far above the reducer's own part is still banned
     _, rejected = _reduce([*honest, torch.full((64,), 100.0), *sybils[:2]], [1.0] * 5)
