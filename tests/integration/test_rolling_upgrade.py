@@ -44,8 +44,13 @@ def test_half_the_swarm_on_the_previous_version_bans_nobody_and_each_side_averag
     boot, maddr = start_bootstrap(tmp_path)
     args = ("--run-id", "upgrade", "--max-rounds", "200", "--local-steps", "4", "--min-local-steps", "4")
     procs = {n: _start_old(tmp_path, n, maddr, *args) for n in OLD}
-    procs.update({n: start_peer(tmp_path, n, maddr, *args) for n in NEW})
     try:
+        # This release's peers look for other versions once, at their start: they start once the previous
+        # release's peers have published records (a round of theirs is logged), or (seen in a CI rehearsal) both
+        # sides started together and neither found the other in time, and nobody said so.
+        wait_for(lambda: all(events(tmp_path, n, "round") for n in OLD)
+                 or any(p.poll() is not None for p in procs.values()), 90, "the previous release's first rounds")
+        procs.update({n: start_peer(tmp_path, n, maddr, *args) for n in NEW})
         wait_for(lambda: all(len(_averaged(tmp_path, n)) >= ROUNDS for n in procs)
                  or any(p.poll() is not None for p in procs.values()), 150, f"{ROUNDS} rounds on each side")
         for proc in procs.values():
