@@ -43,6 +43,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
@@ -93,12 +94,38 @@ class EarlyAssembly:
     A peer that stepped back and still ends up leading (everyone arrived early and alone) forms its group
     one window after the first follower joined, or at once when every due peer is in.
 
+    **Between stepping back and its next declaration it takes no follower** (``install``). Its declaration
+    still ends at the end of its first window, and hivemind forms a leader's group when its declaration ends
+    with whoever joined by then: a due peer that joined in those last moments was grouped with it alone, and
+    the next due peer, arriving milliseconds later, was cut (measured, 3 peers on loopback, two arriving 2.8 s
+    after the third: a group of 2 formed 10 ms after the first joined, and the other resynced). Turned away,
+    the newcomers lead or follow each other, and the early peer joins them once it declared again.
+
     :param min_group_size: the averager's ``min_group_size``; a smaller group is never formed early.
     """
 
     def __init__(self, min_group_size: int):
         self.min_group_size = min_group_size
         self._joined: asyncio.Event | None = None  # made in the averager process's event loop
+        self._stepped_back_from: float | None = None
+        """The declared expiration this peer stepped back from (class docstring); ``None``: it did not."""
+
+    def install(self, matchmaking: Any) -> None:
+        """Make hivemind's admission check of ``matchmaking`` turn followers away while this peer's declaration
+        is the one it stepped back from (once; it lives as long as the averager process). The check runs under
+        ``lock_request_join_group``, as ``watch`` does when it steps back, so no request slips between them."""
+        if getattr(matchmaking, "_early_assembly", None) is self:
+            return
+        check = matchmaking._check_reasons_to_reject
+        leaders = matchmaking.potential_leaders
+
+        def check_not_stepped_back(request: Any, context: Any) -> Any:
+            if self._stepped_back_from is not None and leaders.declared_expiration_time == self._stepped_back_from:
+                return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
+            return check(request, context)
+
+        matchmaking._check_reasons_to_reject = check_not_stepped_back
+        matchmaking._early_assembly = self
 
     def follower_joined(self) -> None:
         """Call whenever this peer, as a leader, accepted a follower."""
@@ -110,6 +137,7 @@ class EarlyAssembly:
         """Run beside ``matchmaking.look_for_group``; cancel it when the search ends. ``me`` is this peer's
         base58 id, ``due`` the verified due peers (``due_peers``), ``step`` the round's hivemind
         ``StepControl`` (its ``scheduled_time`` is the end of the first window; without it no stepping back)."""
+        self._stepped_back_from = None
         due = frozenset(due) | {me}
         formed.due = len(due)
         if len(due) < self.min_group_size:
@@ -139,6 +167,7 @@ class EarlyAssembly:
                     if following or len(members) > 1:
                         first_window_end = None  # not alone: the window ends the wait, as it always did
                     elif get_dht_time() >= first_window_end - lead:
+                        self._stepped_back_from = matchmaking.potential_leaders.declared_expiration_time
                         self._step_back(step, len(due - members))
                         formed.stepped_back, first_window_end = True, None
                 if following or len(members) < self.min_group_size:

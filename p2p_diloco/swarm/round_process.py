@@ -177,6 +177,7 @@ class RoundProcess:
         matchmaking, me = side.matchmaking, side.peer_id.to_base58()
         self.gate.guard_leaders(matchmaking)
         self.join_timing.install(matchmaking)
+        self.early.install(matchmaking)
         if epoch is not None:
             use_round_key(matchmaking, epoch)
         if self.fault_hook is not no_faults:

@@ -36,7 +36,7 @@ METHODS = [
     (DecentralizedAverager, "_get_current_state_from_host_process",
      "swarm/averager.py hands it to chunk_transfer.ChunkServer (the state to serve, from the training process)"),
     (Matchmaking, "_request_join_group", "swarm/access.py wraps it (refuses leaders not allowed)"),
-    (Matchmaking, "_check_reasons_to_reject", "swarm/patience.py wraps it"),
+    (Matchmaking, "_check_reasons_to_reject", "swarm/patience.py and swarm/quorum.py wrap it"),
     (PotentialLeaders, "_declare_averager_periodically", "swarm/patience.py wraps it"),
     (Matchmaking, "leader_assemble_group", "swarm/round_process.py hooks it for the stall_leader fault; swarm/quorum.py calls it"),
     (AllReduceRunner, "_communicate_with_peer", "swarm/runner.py overrides it"),
@@ -84,7 +84,10 @@ PATCHED_METHODS = [
     (PotentialLeaders, "begin_search", "swarm/patience.py wraps it on the instance (ends the search early)"),
 ]
 PATCHED_FIELDS = [
-    (Matchmaking, "potential_leaders", "swarm/patience.py reads it to patch the PotentialLeaders instance"),
+    (Matchmaking, "potential_leaders", "swarm/patience.py reads it to patch the PotentialLeaders instance; "
+     "swarm/quorum.py reads its declared expiration"),
+    (PotentialLeaders, "declared_expiration_time",
+     "swarm/quorum.py reads it (a peer that stepped back takes no follower until it declares again)"),
     (PotentialLeaders, "search_end_time", "swarm/patience.py moves it earlier and reads it"),
 ]
 # Overrides must keep hivemind's parameters: hivemind calls them.
