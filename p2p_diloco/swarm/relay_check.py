@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
@@ -99,29 +100,18 @@ async def _check(relay_maddr: str, timeout_s: float) -> RelayCheck:
 
     try:
         # behind NAT, as a volunteer: no address of its own, a slot on our relay
-        client = await P2P.create(
-            initial_peers=[relay_maddr], host_maddrs=[], no_listen=True, use_relay=True, use_auto_relay=True,
-            force_reachability="private", trusted_relays=[relay_maddr], auto_nat=False,
-            startup_timeout=max(1.0, deadline - time.monotonic()),
-        )
+        client, error = await _start_daemon(
+            deadline, "the relay", initial_peers=[relay_maddr], host_maddrs=[], no_listen=True, use_relay=True,
+            use_auto_relay=True, force_reachability="private", trusted_relays=[relay_maddr], auto_nat=False)
+        if client is None:
+            return result(RelayVerdict.UNREACHABLE, f"could not reach the relay: {error}")
         daemons.append(client)
         await client.add_binary_stream_handler(HANDLER, handler)
         circuit = f"{relay_maddr}/p2p-circuit/p2p/{client.peer_id.to_base58()}"
-        dialer, last_error = None, "no attempt"
-        for _ in range(40):  # the reservation takes a moment; each try is bounded by the deadline too
-            if time.monotonic() >= deadline:
-                break
-            try:
-                dialer = await P2P.create(
-                    initial_peers=[circuit], host_maddrs=[], no_listen=True, use_relay=True, auto_nat=False,
-                    startup_timeout=max(1.0, deadline - time.monotonic()),
-                )
-                break
-            except Exception as e:  # the circuit is not there yet: the reservation is still being made
-                last_error = repr(e)[:200]
-                await asyncio.sleep(0.2)
+        dialer, error = await _start_daemon(deadline, "the circuit", initial_peers=[circuit], host_maddrs=[],
+                                            no_listen=True, use_relay=True, auto_nat=False)
         if dialer is None:
-            return result(RelayVerdict.UNREACHABLE, f"could not dial through the relay: {last_error}")
+            return result(RelayVerdict.UNREACHABLE, f"could not dial through the relay: {error}")
         daemons.append(dialer)
         try:
             _, _, writer = await dialer.call_binary_stream_handler(client.peer_id, HANDLER)
@@ -145,6 +135,33 @@ async def _check(relay_maddr: str, timeout_s: float) -> RelayCheck:
                 await daemon.shutdown()
             except Exception:  # a daemon already gone
                 logger.debug("relay check: shutting down a throwaway daemon failed", exc_info=True)
+
+
+START_TRIES = 40
+"""Most throwaway daemons the check starts for one connection (each bounded by the check's deadline too)."""
+RETRY_S = 0.2
+
+
+async def _start_daemon(deadline: float, what: str, **options: Any) -> tuple[P2P | None, str]:
+    """A throwaway p2p daemon connected to its ``initial_peers``, started again until it connects, at most
+    ``START_TRIES`` times and until ``deadline``; ``(None, last error)`` if it never did.
+
+    Why again: what it dials may not answer yet, and neither is worth a verdict. The relay's own daemon has just
+    started (seen on the home-network testbed: "failed to connect to bootstrap peers" 0.1 s after the node
+    came up, the check said unreachable, and the node ran on with a relay nobody had checked, which turned out
+    to be libp2p's default: every relayed all-reduce stream was reset); a circuit exists only once the client's
+    reservation is made."""
+    last_error = "no attempt"
+    for _ in range(START_TRIES):
+        if time.monotonic() >= deadline:
+            break
+        try:
+            return await P2P.create(startup_timeout=max(1.0, deadline - time.monotonic()), **options), ""
+        except Exception as e:  # noqa: BLE001 - the daemon reports every failure to connect as one error type
+            last_error = repr(e)[:200]
+            logger.debug("relay check: %s does not answer yet (%s); trying again", what, last_error)
+            await asyncio.sleep(RETRY_S)
+    return None, last_error
 
 
 def check_relay(relay_maddr: str, timeout_s: float = 20.0) -> RelayCheck:

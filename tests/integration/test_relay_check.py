@@ -95,3 +95,35 @@ def test_a_restart_keeps_the_identity_and_the_fixed_port(monkeypatch, tmp_path) 
         assert verdicts[0][0].startswith(f"/ip4/127.0.0.1/tcp/{port}/p2p/{dht.peer_id}"), verdicts
     finally:
         dht.shutdown()
+
+
+def test_the_check_waits_for_a_relay_that_is_not_listening_yet(tmp_path, caplog) -> None:
+    """A relay whose daemon does not answer yet (it has just started) is asked again until the check's deadline,
+    not judged unreachable at the first refusal: the node would then run on with an unchecked relay."""
+    import socket
+    import threading
+
+    from p2p_diloco.swarm.dht import ensure_identity
+
+    caplog.set_level(logging.DEBUG, logger="p2p_diloco.swarm.relay_check")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    identity = str(tmp_path / "relay.key")
+    maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{ensure_identity(identity)}"
+    checks: list = []
+    checking = threading.Thread(target=lambda: checks.append(check_relay(maddr, timeout_s=30)), daemon=True)
+    checking.start()
+    # the relay comes up only once the check found nothing there
+    for _ in range(300):
+        if "does not answer yet" in caplog.text or not checking.is_alive():
+            break
+        checking.join(0.1)
+    assert "does not answer yet" in caplog.text, checks
+    dht = start_dht(SwarmConfig.for_loopback(use_relay=True, relay_service=True, identity_path=identity,
+                                             host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"]))
+    try:
+        checking.join(60)
+        assert checks and checks[0].verdict is not RelayVerdict.UNREACHABLE, checks
+    finally:
+        dht.shutdown()
