@@ -80,14 +80,33 @@ class AveragerProcess:
         self.rounds = RoundProcess(cfg, layout, self.gate, self.join_timing, self.early, tolerance, fault_hook)
         self.chunks = ChunkServer(counters, host_state, sharing, fault_hook)
         self.fetcher = ChunkFetcher(stub, cfg.next_chunk_timeout_s)
+        self._running: set[asyncio.Task[Any]] = set()
+        """The tasks of the commands running now (``run_command``), held until each ends."""
 
     async def run_command(self, command: commands.Command, side: Callable[[], HivemindSide]) -> None:
-        """Run one command from the training process; ``side`` reads hivemind's side of a round."""
-        handler = getattr(self, self.COMMANDS[type(command)])
-        kwargs = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
-        if isinstance(command, commands.Step):
-            kwargs["side"] = side()
-        await handler(**kwargs)
+        """Run one command from the training process; ``side`` reads hivemind's side of a round.
+
+        The command's task is held here while it runs. hivemind's loop starts each command with
+        ``asyncio.create_task`` and keeps no reference to it, and asyncio holds tasks only weakly: a round
+        whose chain of awaits reached the loop only through futures nobody else holds (a DHT call's
+        ``MPFuture``, which hivemind also holds weakly) was garbage that the cycle collector could take at any
+        moment. It did, as a round was being given up: "Task was destroyed but it is pending!" for the
+        round, its search and its declarations; the search's context could not close ("aclose(): asynchronous
+        generator is already running") and kept hivemind's search lock, so this peer never declared or looked
+        for a group again. In a CI rehearsal and in 1 of 5 local runs of the relay-capture test that peer was
+        cut from every round for the rest of the run, each time catching up and searching alone."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._running.add(task)
+        try:
+            handler = getattr(self, self.COMMANDS[type(command)])
+            kwargs = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
+            if isinstance(command, commands.Step):
+                kwargs["side"] = side()
+            await handler(**kwargs)
+        finally:
+            if task is not None:
+                self._running.discard(task)
 
     async def _step(self, side: HivemindSide, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...],
                     allreduce_timeout: float, stale: list[torch.Tensor] | None, step_back: bool,

@@ -51,3 +51,39 @@ def test_a_command_crosses_the_pipe_under_the_one_dispatch_name_and_reaches_its_
     method, args, kwargs = sent[0]
     asyncio.run(getattr(RoundAverager, method)(Averager(), *args, **kwargs))  # hivemind's loop does this
     assert process.gate.banned == {"peer": "malformed record"} and sent[-1] == ("resolved", None)
+
+
+def test_a_running_command_outlives_the_garbage_collector_although_hivemind_keeps_no_reference_to_it() -> None:
+    """hivemind's loop starts each command with ``asyncio.create_task`` and drops the task; asyncio holds it
+    only weakly. A command whose await reaches the loop only through a future nobody else holds (a DHT call's
+    ``MPFuture``) is then a cycle of garbage: the collector took a round so, mid-search, and that peer never
+    searched again (``AveragerProcess.run_command``)."""
+    import gc
+    import weakref
+
+    process = process_for_tests()
+    refs: list[weakref.ref] = []
+
+    async def orphaned_give_up(future: object) -> None:
+        refs.append(weakref.ref(asyncio.current_task()))
+        await asyncio.get_running_loop().create_future()  # held by this frame alone, like a DHT call's MPFuture
+
+    process._give_up = orphaned_give_up  # type: ignore[method-assign]
+
+    async def scenario() -> tuple[bool, bool]:
+        asyncio.create_task(process.run_command(commands.GiveUp(future=None), lambda: None))  # type: ignore[arg-type]
+        for _ in range(100):  # the command runs up to its await
+            if refs:
+                break
+            await asyncio.sleep(0.01)
+        gc.collect()
+        task = refs[0]() if refs else None
+        if task is None:
+            return False, False
+        task.cancel()  # it still ends as hivemind ends it, at shutdown
+        await asyncio.gather(task, return_exceptions=True)
+        return True, task.cancelled()
+
+    alive, ended = asyncio.run(scenario())
+    assert alive, "the collector took a running command"
+    assert ended
