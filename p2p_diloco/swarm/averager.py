@@ -343,7 +343,7 @@ class RoundAverager(DecentralizedAverager):
         :param copy_out: return the fresh mean as a copy. ``False`` returns views of the shared buffer, valid
           until the next ``average`` or :meth:`fresh_buffers` call: apply them before that (saves a
           model-sized copy per round).
-        :param left_behind: asked every ``round_wait.LEFT_BEHIND_POLL_S`` while no group has formed yet (on this thread,
+        :param left_behind: asked every ``round_wait.poll_interval`` while no group has formed yet (on this thread,
           which only waits then), with whether the round's matchmaking window is still open; ``True`` asks the
           averager process to give the round up (``Evidence.left_behind``: every peer this one believes is past
           ``epoch``; within the window also ``Evidence.round_over``: each of them finished the round), which it

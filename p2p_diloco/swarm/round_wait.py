@@ -14,16 +14,37 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from p2p_diloco.core.rounds import RoundResult
 
 LEFT_BEHIND_POLL_S = 2.0
-"""While this peer looks for a group, how often ``average(left_behind=...)`` asks whether the swarm left this
-epoch behind. Each ask reads the progress records from the DHT (a few KB; within the window, once they say the
-others moved on, their checksums too); a few seconds is far below ``matchmaking_timeout_s`` (60 s by default),
-which is what a peer that missed its group waited before."""
+"""While this peer looks for a group, at most how long between two asks of ``average(left_behind=...)`` whether
+the swarm left this epoch behind. Each ask reads the progress records from the DHT (a few KB; within the window,
+once they say the others moved on, their checksums too); a few seconds is far below ``matchmaking_timeout_s``
+(60 s by default), which is what a peer that missed its group waited before."""
+POLL_SHARE = 0.25
+"""Within a short matchmaking window the asks come every this share of it (:func:`poll_interval`)."""
+MIN_POLL_S = 0.25
+"""The shortest time between two asks, whatever the window: at most 4 reads of the records per second."""
+
+
+def poll_interval(window_s: float) -> float:
+    """Seconds between two asks of ``left_behind`` in a round whose matchmaking window is ``window_s`` (0: not
+    known, the longest interval).
+
+    Why it shrinks with the window: a peer left behind learns it at the next ask after the others finished
+    their round, then fetches the round's update, trains and searches again, and all of it must fit in their
+    next inner phase plus their window, or it is cut again. A 2 s interval is on average 1 s of that, half of
+    it at worst; with 10-step phases and the 3 s window floor a peer catching up through a relay lost every
+    round by about 0.6 s (the relayed live test, issue 31), chasing the swarm for all its rounds. A quarter of
+    the window keeps the delay a small share of the slack the window gives. The windows users run (the 15 s
+    default, a learned floor of 7.5 s at the 5 s request timeout) keep 1.9-2 s; only swarms of short windows
+    read the records more often, at most ``1 / MIN_POLL_S`` times a second per waiting peer."""
+    if not window_s > 0:
+        return LEFT_BEHIND_POLL_S
+    return min(LEFT_BEHIND_POLL_S, max(MIN_POLL_S, POLL_SHARE * window_s))
 
 
 def wait_for_round(control: StepControl, budget: float, left_behind: Callable[[bool], bool] | None,
                    after_s: float = 0.0, give_up: Callable[[], None] | None = None) -> RoundResult:
     """``control``'s result within ``budget`` seconds (``TimeoutError`` past it). While the averager
-    process still looks for a group, ``left_behind(window_open)`` is asked every ``LEFT_BEHIND_POLL_S``, and
+    process still looks for a group, ``left_behind(window_open)`` is asked every :func:`poll_interval`, and
     once more the moment the round's window (``after_s`` seconds into the search) ends, with whether it is
     still open; once it says so, ``give_up()`` asks the averager process to stop the search
     (``commands.GiveUp``), and the wait goes on for the round's own result: ``left_behind`` when the search
@@ -43,9 +64,10 @@ def wait_for_round(control: StepControl, budget: float, left_behind: Callable[[b
     out its whole window alone, and arrives late for the next round as well."""
     began = time.monotonic()
     deadline, window_end = began + budget, began + after_s
+    poll_s = poll_interval(after_s)
 
     def next_ask(now: float) -> float:
-        ask = now + LEFT_BEHIND_POLL_S
+        ask = now + poll_s
         return min(ask, window_end) if now < window_end else ask
 
     ask_at = next_ask(began)

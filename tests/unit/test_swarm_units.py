@@ -395,7 +395,7 @@ def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.
     assert wait_for_round(patient, 60.0, lambda window_open: opens.append(window_open) or not window_open,  # type: ignore[arg-type]
                           after_s=3600.0, give_up=lambda: requests.append(1)).averaged
     assert not requests and not patient.cancelled
-    assert len(opens) >= 10 and all(opens)  # asked every LEFT_BEHIND_POLL_S, each time with the window open
+    assert len(opens) >= 10 and all(opens)  # asked every poll_interval, each time with the window open
     # ... and the window's end is asked at once, as closed: a peer left behind gives up then.
     opens.clear(), requests.clear()
     stopped_late = _Control(AveragingStage.LOOKING_FOR_GROUP, stopped, answer_after=10**6)
@@ -405,6 +405,11 @@ def test_a_round_is_given_up_only_while_looking_for_a_group(monkeypatch: pytest.
                                after_s=0.2, give_up=lambda: (requests.append(1), stopped_late.answer_now())
                                ) is stopped
     assert opens == [False] and requests == [1]
+    monkeypatch.setattr(round_wait, "LEFT_BEHIND_POLL_S", 0.01)
+    # The asks come every quarter of a short window, never faster than MIN_POLL_S, never slower than the cap.
+    monkeypatch.setattr(round_wait, "LEFT_BEHIND_POLL_S", 2.0)
+    assert round_wait.poll_interval(3.0) == 0.75 and round_wait.poll_interval(0.4) == round_wait.MIN_POLL_S
+    assert round_wait.poll_interval(15.0) == 2.0 and round_wait.poll_interval(0.0) == 2.0
     monkeypatch.setattr(round_wait, "LEFT_BEHIND_POLL_S", 0.01)
     # Once the all-reduce runs, the round is never abandoned: it is waited for until its result.
     done = RoundResult(Outcome.AVERAGED, "", 3)
