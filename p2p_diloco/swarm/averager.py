@@ -40,6 +40,7 @@ from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm import commands, registry
 from p2p_diloco.swarm.access import serve_bounded
 from p2p_diloco.swarm.averager_process import AveragerProcess
+from p2p_diloco.swarm.buffer_layout import BufferLayout
 from p2p_diloco.swarm.chunk_transfer import ServingCounters, request_chunks, request_manifests
 from p2p_diloco.swarm.claims import sign_gather, signing_key
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
@@ -77,9 +78,12 @@ class RoundAverager(DecentralizedAverager):
     :param compression: hivemind codec for the all-reduce parts (default: none). Pre-scaled values are about
       the size of the weighted mean, so relative-error codecs (fp16, 8-bit) behave as on plain gradients.
     :param fault_hook: test-only, see ``runner.FaultHook``.
+    :param fragments: Streaming DiLoCo's fragments (``core.fragments.assign_fragments``: the parameter indices of
+      each): every round then averages one fragment, named in :meth:`average`, and the shared buffer holds only
+      the largest one (``buffer_layout.BufferLayout``). ``None``: the whole model every round.
 
     Memory: one shared-memory buffer the size of ``template`` (the fresh pseudo-gradient; write it there
-    directly with :meth:`fresh_buffers` to save a copy). A round that folds late work creates a second one for
+    directly with :meth:`fresh_buffers` to save a copy), or of its largest fragment. A round that folds late work creates a second one for
     that round only (in shared memory, dropped when the caller drops the result's ``stale_term``).
     ``average(..., copy_out=False)`` returns views of the shared buffer instead of a copy. Only one
     ``average`` call may run at a time.
@@ -94,6 +98,7 @@ class RoundAverager(DecentralizedAverager):
         fingerprint: str,
         compression: CompressionBase | None = None,
         fault_hook: FaultHook | None = None,
+        fragments: Sequence[Sequence[int]] | None = None,
         start: bool = True,
     ):
         if not template:
@@ -103,15 +108,16 @@ class RoundAverager(DecentralizedAverager):
         if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
             raise ValueError(f"fingerprint must be 8-64 lowercase hex characters, got {fingerprint!r}")
         self.cfg, self.fingerprint, self._claim_key = cfg, fingerprint, signing_key(dht)  # signs our metadata
-        self.num_tensors = len(template)
-        self._layout = [(tuple(t.shape), t.dtype) for t in template]
-        buffers = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._layout]
+        self.layout = BufferLayout.of(template, fragments)
+        """Which tensors a round averages and where they lie in the shared buffer (whole model or a fragment)."""
+        buffers = self.layout.make_buffers()
         self._fault_hook: FaultHook = fault_hook or no_faults
         self._tolerance = wire_norm_tolerance(compression if compression is not None else NoCompression())
         if isinstance(compression, CodecCompression):
             # error feedback for the fresh region only: late work is sent once, and a residual for the late
-            # region would be a second model-sized buffer kept for the run (docs/architecture.md, "Memory")
-            compression.feedback_tensors = self.num_tensors
+            # region would be a second model-sized buffer kept for the run (docs/architecture.md, "Memory");
+            # with fragments, each fragment's codec is a copy of this one (``AveragerProcess``)
+            compression.feedback_tensors = len(self.layout.layout(0))
         self.allowed = read_allowed_peers(cfg.allowed_peers) if cfg.allowed_peers else None
         """A private swarm's members (``SwarmConfig.allowed_peers``), ``None``: anyone."""
         self._join_timing = JoinTiming(cfg.request_timeout_s)  # this side's deadlines; the process has its own
@@ -132,7 +138,7 @@ class RoundAverager(DecentralizedAverager):
             buffers,
             dht,
             start=False,
-            prefix=averager_prefix(cfg.run_id, fingerprint),
+            prefix=averager_prefix(cfg.run_id, fingerprint) + self.layout.tag,
             target_group_size=cfg.target_group_size,
             min_group_size=cfg.min_group_size,
             # hivemind waits at least this long in every window; the learned window lies between it and
@@ -173,7 +179,7 @@ class RoundAverager(DecentralizedAverager):
     def run(self) -> None:
         """``multiprocessing.Process.run``, in the averager process: make its side first, then hivemind's loop."""
         self._process = AveragerProcess(
-            self.cfg, self.peer_id.to_base58(), self._layout, self.allowed, self._tolerance, self.counters,
+            self.cfg, self.peer_id.to_base58(), self.layout, self.allowed, self._tolerance, self.counters,
             host_state=self._get_current_state_from_host_process,
             sharing=lambda: self.allow_state_sharing,
             stub=lambda peer: self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix),
@@ -300,17 +306,6 @@ class RoundAverager(DecentralizedAverager):
 
     # ---------------------------------------------------------------- host side
 
-    def _check_tensors(self, name: str, tensors: Sequence[torch.Tensor]) -> None:
-        if len(tensors) != self.num_tensors:
-            raise ValueError(f"{name} holds {len(tensors)} tensors, the template {self.num_tensors}")
-        for i, (tensor, (shape, dtype)) in enumerate(zip(tensors, self._layout, strict=True)):
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise ValueError(
-                    f"{name}[{i}] is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}"
-                )
-            if not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"{name}[{i}] holds NaN or infinite values")
-
     def average(
         self,
         fresh: Sequence[torch.Tensor] | None,
@@ -323,6 +318,7 @@ class RoundAverager(DecentralizedAverager):
         copy_out: bool = True,
         left_behind: Callable[[bool], bool] | None = None,
         step_back: bool = True,
+        fragment: int = 0,
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
         ``matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s`` (plus a few seconds; the
@@ -349,18 +345,21 @@ class RoundAverager(DecentralizedAverager):
           ``epoch``; within the window also ``Evidence.round_over``: each of them finished the round), which it
           does only while no group has formed: the result is then skipped with ``left_behind``, else the
           group's own (see ``round_wait.wait_for_round``). ``None``: wait up to ``matchmaking_timeout_s``.
+        :param fragment: with fragments, the one this round averages (``fresh``, ``stale`` and the mean are its
+          tensors; ``epoch`` is its epoch); it meets only peers averaging the same fragment at the same epoch.
         """
+        self.layout.check_fragment(fragment)
         if fresh is not None:
-            self._check_tensors("fresh", fresh)
+            self.layout.check("fresh", fresh, fragment)
         if stale is not None:
-            self._check_tensors("stale", stale)
+            self.layout.check("stale", stale, fragment)
         # A Byzantine test peer announces the norm of what it will send, as a real attacker could.
         scale = self._fault_hook("announce")
         inflate = abs(scale) if isinstance(scale, float) and math.isfinite(scale) else 1.0
         info = MemberInfo.for_round(
             self.cfg.run_id,
             self.fingerprint,
-            epoch,
+            self.layout.round_number(epoch, fragment),
             weight,
             stale_weight,
             staleness,
@@ -377,7 +376,7 @@ class RoundAverager(DecentralizedAverager):
         with self._locked_buffers(budget) as buffers:
             if buffers is None:
                 return RoundResult(Outcome.SKIPPED, "the averaging buffers stayed busy (a previous round runs)", epoch)
-            for src, dst in zip(fresh if has_fresh else (), buffers, strict=False):
+            for src, dst in zip(fresh if has_fresh else (), self.layout.views(buffers, fragment), strict=False):
                 if src.data_ptr() != dst.data_ptr():  # written in place through fresh_buffers(): no copy
                     dst.copy_(src.detach())
         # The late work goes to shared memory for this round, in place: the averager process maps the caller's
@@ -387,7 +386,8 @@ class RoundAverager(DecentralizedAverager):
         try:
             deadlines = self.deadlines.next_round()
             gather = sign_gather(encode_gather(self.bandwidth, self.mode, info), self._claim_key)
-            control = self._begin_step(gather, tuple(due), deadlines, stale_shared, step_back=step_back, epoch=epoch)
+            control = self._begin_step(gather, tuple(due), deadlines, stale_shared, step_back=step_back, epoch=epoch,
+                                       fragment=fragment)
         except Exception as e:
             return RoundResult(Outcome.SKIPPED, f"could not start the round: {e!r}", epoch)
         try:
@@ -417,19 +417,20 @@ class RoundAverager(DecentralizedAverager):
             allreduce_s=result.allreduce_seconds if result.averaged else None,
             allreduce_timed_out=result.timed_out,
         )
-        return self._make_result(result, epoch, budget, copy_out)
+        return self._make_result(result, epoch, budget, copy_out, fragment)
 
     def _give_up(self) -> None:
         """Ask the averager process to stop looking for the running round's group (``commands.GiveUp``)."""
         commands.send(self._outer_pipe, commands.GiveUp(MPFuture()))
 
     @contextlib.contextmanager
-    def fresh_buffers(self, timeout: float = 0.0) -> Iterator[list[torch.Tensor] | None]:
-        """The shared fresh buffers, locked, to write this round's pseudo-gradient into; then pass them to
-        :meth:`average` as ``fresh`` (no copy is made). ``None`` when a round still holds them after
-        ``timeout`` seconds (write the pseudo-gradient elsewhere then)."""
+    def fresh_buffers(self, timeout: float = 0.0, fragment: int = 0) -> Iterator[list[torch.Tensor] | None]:
+        """The shared fresh buffers (``fragment``'s views, with fragments), locked, to write this round's
+        pseudo-gradient into; then pass them to :meth:`average` as ``fresh`` (no copy is made). ``None`` when a
+        round still holds them after ``timeout`` seconds (write the pseudo-gradient elsewhere then)."""
+        self.layout.check_fragment(fragment)
         with self._locked_buffers(timeout) as buffers:
-            yield None if buffers is None else list(buffers[: self.num_tensors])
+            yield None if buffers is None else self.layout.views(buffers, fragment)
 
     def ban(self, peer_id: str, reason: str) -> MPFuture:
         """Ban ``peer_id`` for the rest of the run in the averager process, where matchmaking, the all-reduce
@@ -455,10 +456,11 @@ class RoundAverager(DecentralizedAverager):
 
     def _begin_step(self, data_for_gather: bytes, due: tuple[str, ...], deadlines: RoundDeadlines,
                     stale: list[torch.Tensor] | None = None, step_back: bool = True,
-                    epoch: int | None = None) -> StepControl:
+                    epoch: int | None = None, fragment: int = 0) -> StepControl:
         """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round; the
         window and the all-reduce deadline are this round's ``deadlines``, ``stale`` the round's late work,
-        ``epoch`` picks the round's matchmaking key (``protocol.round_group_bits``)."""
+        ``epoch`` and ``fragment`` pick the round's matchmaking key (``protocol.round_group_bits`` of the round's
+        number, ``BufferLayout.round_number``)."""
         now = get_dht_time()
         deadline = self._join_timing.deadline(self.cfg.matchmaking_timeout_s)
         control = StepControl(
@@ -470,7 +472,7 @@ class RoundAverager(DecentralizedAverager):
         )
         future_for_init = MPFuture()
         commands.send(self._outer_pipe, commands.Step(control, future_for_init, due, deadlines.allreduce_s, stale,
-                                                      step_back, epoch))
+                                                      step_back, epoch, fragment))
         try:
             trigger, cancel = future_for_init.result(timeout=self.cfg.startup_timeout_s)
         except BaseException:
@@ -486,7 +488,8 @@ class RoundAverager(DecentralizedAverager):
         control.allow_allreduce()
         return control
 
-    def _make_result(self, result: RoundResult, epoch: int, timeout: float, copy_out: bool = True) -> RoundResult:
+    def _make_result(self, result: RoundResult, epoch: int, timeout: float, copy_out: bool = True,
+                     fragment: int = 0) -> RoundResult:
         """The averager process's result, for ``epoch``, with the averaged buffers read back if it averaged.
         The stale term (if any) came back inside the result: the round's own shared buffer, no copy."""
         result.epoch = epoch
@@ -500,8 +503,8 @@ class RoundAverager(DecentralizedAverager):
         with self._locked_buffers(timeout) as buffers:
             if buffers is None:
                 return result.skip("could not read the averaged buffers back")
-            result.fresh_mean = [t.clone() if copy_out else t for t in buffers[: self.num_tensors]]
-        if result.with_stale and (result.stale_term is None or len(result.stale_term) != self.num_tensors):
+            result.fresh_mean = [t.clone() if copy_out else t for t in self.layout.views(buffers, fragment)]
+        if result.with_stale and (result.stale_term is None or len(result.stale_term) != len(result.fresh_mean)):
             return result.skip("the averager process returned no stale term")
         if not all(bool(torch.isfinite(t).all()) for t in result.fresh_mean + (result.stale_term or [])):
             # every member validates its own input, so this means a member sent NaN or inf on purpose

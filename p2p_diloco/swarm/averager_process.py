@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +33,7 @@ from hivemind.utils.asyncio import achain, as_aiter
 
 from p2p_diloco.swarm import commands
 from p2p_diloco.swarm.access import AccessGate, epoch_mismatch
+from p2p_diloco.swarm.buffer_layout import BufferLayout
 from p2p_diloco.swarm.chunk_transfer import ChunkFetcher, ChunkServer, ServingCounters
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.patience import JoinTiming
@@ -48,7 +49,7 @@ class AveragerProcess:
 
     :param cfg: the swarm's settings.
     :param own_id: this peer's base58 id.
-    :param layout: shapes and dtypes of the pseudo-gradient tensors.
+    :param layout: the pseudo-gradient's layout in the shared buffer (the whole model's, or per fragment).
     :param allowed: a private swarm's members (``None``: anyone).
     :param tolerance: the codec's norm tolerance (``hivemind_codecs.wire_norm_tolerance``).
     :param counters: the serving counters shared with the training process.
@@ -69,7 +70,7 @@ class AveragerProcess:
     command's type -> the method of this class that runs it, with the command's fields as its keyword arguments
     (``commands.Step`` also gets hivemind's side of the round)."""
 
-    def __init__(self, cfg: SwarmConfig, own_id: str, layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    def __init__(self, cfg: SwarmConfig, own_id: str, layout: BufferLayout,
                  allowed: frozenset[str] | None, tolerance: float | None, counters: ServingCounters,
                  host_state: Callable[[], Awaitable[tuple[Any, Any, Any]]], sharing: Callable[[], bool],
                  stub: Callable[[str], Any], fault_hook: FaultHook):
@@ -110,9 +111,10 @@ class AveragerProcess:
 
     async def _step(self, side: HivemindSide, step: StepControl, future_for_init: MPFuture, due: tuple[str, ...],
                     allreduce_timeout: float, stale: list[torch.Tensor] | None, step_back: bool,
-                    epoch: int | None) -> None:
+                    epoch: int | None, fragment: int) -> None:
         await self.rounds.step(side, step=step, future_for_init=future_for_init, due=due,
-                               allreduce_timeout=allreduce_timeout, stale=stale, step_back=step_back, epoch=epoch)
+                               allreduce_timeout=allreduce_timeout, stale=stale, step_back=step_back, epoch=epoch,
+                               fragment=fragment)
 
     async def _give_up(self, future: MPFuture) -> None:
         future.set_result(self.rounds.search.request())

@@ -36,7 +36,10 @@ class Step:
     stale: list[torch.Tensor] | None
     step_back: bool
     epoch: int | None
-    """The round's epoch: it declares under that epoch's matchmaking key (``protocol.use_round_key``)."""
+    """The round's epoch (with fragments, the fragment's): it declares under the key of its round's number
+    (``protocol.use_round_key``, ``BufferLayout.round_number``)."""
+    fragment: int = 0
+    """With fragments (``buffer_layout.BufferLayout``), the one this round averages; 0 without."""
 
 
 @dataclass

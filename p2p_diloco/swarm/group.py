@@ -52,6 +52,8 @@ class MemberInfo:
     run_id: str
     fingerprint: str
     epoch: int
+    """The round's number: its epoch, or with Streaming DiLoCo's fragments the fragment round's e·F + f
+    (``buffer_layout.BufferLayout.round_number``). Members compare it before anything else of the round."""
     weight: float
     """Weight of its fresh pseudo-gradient (e.g. samples or tokens processed); 0 when it carries none."""
     stale_weight: float

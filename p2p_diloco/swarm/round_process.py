@@ -13,6 +13,7 @@ private names are in ``tests/unit/test_hivemind_internals.py``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import time
@@ -33,6 +34,7 @@ from p2p_diloco.core.bounds import output_bound
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm import registry
 from p2p_diloco.swarm.access import AccessGate
+from p2p_diloco.swarm.buffer_layout import BufferLayout
 from p2p_diloco.swarm.claims import open_gathered
 from p2p_diloco.swarm.completion import confirm_complete
 from p2p_diloco.swarm.config import SwarmConfig
@@ -148,7 +150,9 @@ class RoundProcess:
     """Rounds in the averager process (``commands.Step``), with the state they keep there.
 
     :param cfg: the swarm's settings (group sizes, deadlines, robust aggregation).
-    :param layout: shapes and dtypes of the pseudo-gradient tensors.
+    :param layout: the pseudo-gradient's layout in the shared buffer: the whole model, or one fragment a round
+      (``buffer_layout.BufferLayout``; each fragment then gets its own copy of the codec, so its error-feedback
+      residuals are its own).
     :param gate: this process's access gate: plans refuse and ban through it.
     :param join_timing: matchmaking patience (``swarm.patience``), shared with the join handler.
     :param early: early assembly (``swarm.quorum``), shared with the join handler.
@@ -156,22 +160,26 @@ class RoundProcess:
     :param fault_hook: test-only, see ``runner.FaultHook``.
     """
 
-    def __init__(self, cfg: SwarmConfig, layout: Sequence[tuple[tuple[int, ...], torch.dtype]], gate: AccessGate,
+    def __init__(self, cfg: SwarmConfig, layout: BufferLayout, gate: AccessGate,
                  join_timing: JoinTiming, early: EarlyAssembly, tolerance: float | None, fault_hook: FaultHook):
-        self.cfg, self.layout, self.num_tensors = cfg, list(layout), len(layout)
+        self.cfg, self.layout = cfg, layout
+        self._codecs: list[Any] = []
+        """With fragments, each fragment's codec (:meth:`_codec`); made at the first round, before any residual."""
         self.gate, self.join_timing, self.early = gate, join_timing, early
         self.tolerance, self.fault_hook = tolerance, fault_hook
         self.search = SearchStop()
 
     async def step(self, side: HivemindSide, *, step: StepControl, future_for_init: MPFuture,
                    due: tuple[str, ...] = (), allreduce_timeout: float | None = None,
-                   stale: list[torch.Tensor] | None = None, step_back: bool = True, epoch: int | None = None) -> None:
+                   stale: list[torch.Tensor] | None = None, step_back: bool = True, epoch: int | None = None,
+                   fragment: int = 0) -> None:
         """One matchmaking attempt and at most one all-reduce; the result is a ``RoundResult``, not an exception.
 
         hivemind's own ``_step`` retries after failures; here a retry would re-scale buffers that were already
         scaled, and the caller prefers a prompt "skipped" to a late round anyway. Beside the search runs
         ``quorum.EarlyAssembly``: a leader forms its group as soon as every peer in ``due`` joined. The search
-        declares under the key of ``epoch`` (``protocol.use_round_key``).
+        declares under the key of its round's number (``epoch`` and ``fragment``, ``BufferLayout.round_number``;
+        ``protocol.use_round_key``).
         """
         began = time.monotonic()
         matchmaking, me = side.matchmaking, side.peer_id.to_base58()
@@ -179,7 +187,7 @@ class RoundProcess:
         self.join_timing.install(matchmaking)
         self.early.install(matchmaking)
         if epoch is not None:
-            use_round_key(matchmaking, epoch)
+            use_round_key(matchmaking, self.layout.round_number(epoch, fragment))
         if self.fault_hook is not no_faults:
             _hook_assembly(matchmaking, self.fault_hook)
         try:
@@ -236,7 +244,7 @@ class RoundProcess:
                 try:
                     await asyncio.wait_for(
                         self._aggregate(side, group_info, result, stale=stale, abandoned=step.done,
-                                        **side.allreduce_kwargs),
+                                        fragment=fragment, **self._codec(side.allreduce_kwargs, fragment)),
                         allreduce_timeout or side.allreduce_timeout,
                     )
                 except asyncio.TimeoutError:
@@ -270,7 +278,8 @@ class RoundProcess:
 
     async def _aggregate(
         self, side: HivemindSide, group_info: GroupInfo, result: RoundResult, min_vector_size: int,
-        stale: list[torch.Tensor] | None = None, abandoned: Callable[[], bool] | None = None, **kwargs: Any
+        stale: list[torch.Tensor] | None = None, abandoned: Callable[[], bool] | None = None, fragment: int = 0,
+        **kwargs: Any
     ) -> RoundResult:
         """The round in a formed group; ``result`` is filled as it goes, so a round cut off by the caller's
         timeout still names its group. It ends ``AVERAGED`` only when every member confirmed.
@@ -301,7 +310,9 @@ class RoundProcess:
         if plan.skip_reason is not None:
             return result.skip(plan.skip_reason)
         counter = ByteCounter()
-        size = sum(math.prod(shape) for shape, _ in self.layout) * (2 if plan.with_stale else 1)
+        layout = self.layout.layout(fragment)
+        num_tensors = len(layout)
+        size = sum(math.prod(shape) for shape, _ in layout) * (2 if plan.with_stale else 1)
         bandwidths = [
             bw if mode != AveragingMode.CLIENT else 0.0
             for bw, mode in zip(plan.bandwidths, plan.modes, strict=True)
@@ -311,16 +322,16 @@ class RoundProcess:
         )
         fresh_scale, stale_scale = plan.local_scales(side.peer_id)
         async with enter_asynchronously(side.tensors()) as buffers:
-            tensors = list(buffers[: self.num_tensors])
+            tensors = self.layout.views(buffers, fragment)
             if plan.with_stale:
-                if stale is None or len(stale) != self.num_tensors:
-                    stale = [torch.zeros(shape, dtype=dtype) for shape, dtype in self.layout]
+                if stale is None or len(stale) != num_tensors:
+                    stale = [torch.zeros(shape, dtype=dtype) for shape, dtype in layout]
                 else:
                     result.late_consumed = True  # scaled below and overwritten by the all-reduce, in place
                 tensors += stale
             with torch.no_grad():
                 for i, tensor in enumerate(tensors):
-                    scale = fresh_scale if i < self.num_tensors else stale_scale
+                    scale = fresh_scale if i < num_tensors else stale_scale
                     if scale == 0.0:
                         tensor.zero_()  # not mul_(0): leftovers of a failed round could hold inf
                     else:
@@ -347,7 +358,7 @@ class RoundProcess:
             )
             runner = make_runner(
                 tensors, b"", fault_hook=self.fault_hook, robust=robust, bounds=bounds,
-                fresh_tensors=self.num_tensors,
+                fresh_tensors=num_tensors,
             )
             faults = await run_allreduce(runner, tensors)
             rejected.update(runner.rejected())
@@ -363,7 +374,7 @@ class RoundProcess:
                 faults.append("completion denied by the fault hook")
             check = await confirm_complete(make_runner, not faults, plan.peer_ids, side.peer_id, runner)
             result.rejected = tuple(self.gate.ban(rejected | check.equivocators))
-            await _settle_credit(kwargs["compression"], tensors[: self.num_tensors],
+            await _settle_credit(kwargs["compression"], tensors[:num_tensors],
                                  not faults and check.confirmed and me not in rejected
                                  and not (abandoned is not None and abandoned()))
         result.allreduce_seconds = time.monotonic() - began
@@ -376,6 +387,21 @@ class RoundProcess:
         if plan.with_stale:
             result.stale_term = list(stale)
         return result
+
+    def _codec(self, allreduce_kwargs: dict[str, Any], fragment: int) -> dict[str, Any]:
+        """hivemind's all-reduce options with the codec of ``fragment``: the averager's own without fragments;
+        with them, one copy per fragment, made from the averager's before its first round (so with no
+        residual yet): a codec's error-feedback residuals are keyed by tensor index and part, which the
+        fragments share, and each fragment must carry its own (``core.fragments``)."""
+        base = allreduce_kwargs["compression"]
+        if not self.layout.flat:
+            return allreduce_kwargs
+        if not self._codecs:
+            self._codecs = [base] + [copy.deepcopy(base) for _ in range(1, self.layout.count)]
+            for f, codec in enumerate(self._codecs):
+                if getattr(codec, "feedback_tensors", None) is not None:
+                    codec.feedback_tensors = len(self.layout.layout(f))
+        return dict(allreduce_kwargs, compression=self._codecs[fragment])
 
     @staticmethod
     def _runner_factory(
