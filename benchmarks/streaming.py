@@ -116,8 +116,10 @@ def report(rows: dict[str, dict[str, list[dict]]]) -> list[str]:
         "tiny preset; check α on your run length with the simulator before relying on it.",
         "",
         "Not measured yet: the swarm side (4 peers on the namespace testbed at 20 Mbit/s: peak and mean bytes per",
-        "second, compute utilization, host bytes per parameter at `150m`, F = 4). The swarm peer does not",
-        "synchronise fragments yet and refuses `--fragments` (docs/architecture.md, \"Streaming DiLoCo\").",
+        "second, compute utilization, host bytes per parameter at `150m`, F = 4). The averager runs fragment rounds",
+        "(one flat buffer of the largest fragment, each fragment its own codec residual; tested through a real 2-peer",
+        "all-reduce), but the swarm peer does not drive them yet and refuses `--fragments` (docs/architecture.md,",
+        "\"Streaming DiLoCo\").",
         "",
         "![streaming](benchmarks/results/streaming.png)",
     ]

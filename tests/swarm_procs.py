@@ -153,3 +153,36 @@ def kill_tree(proc: subprocess.Popen) -> None:
         except psutil.Error:
             pass
     proc.wait(timeout=30)
+
+
+def run_peer_programs(tmp: Path, program: str, run_id: str, count: int = 2, timeout: float = 240.0) -> list:
+    """Run ``count`` copies of a test file that is also a peer program (``python FILE SPEC.json``), each given
+    ``index``, the loopback bootstrap's ``initial_peers``, ``run_id`` and its ``out`` path, until they exit
+    (killed after ``timeout`` s). Asserts that each exited 0 (with the ends of their logs) and returns what each
+    wrote to its ``out`` (JSON)."""
+    import json
+
+    from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
+
+    here = Path(__file__).resolve().parent  # the program imports this module, and the package from the checkout
+    path = os.pathsep.join([str(here.parent), str(here)])
+    boot = start_dht(SwarmConfig.for_loopback())
+    procs = []
+    try:
+        for index in range(count):
+            spec = dict(index=index, initial_peers=visible_maddrs(boot), run_id=run_id,
+                        out=str(tmp / f"p{index}.json"))
+            (tmp / f"p{index}.spec").write_text(json.dumps(spec))
+            log = open(tmp / f"p{index}.log", "wb")
+            procs.append(subprocess.Popen([sys.executable, program, str(tmp / f"p{index}.spec")],
+                                          stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")))
+        wait_all({str(i): proc for i, proc in enumerate(procs)}, timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        boot.shutdown()
+    logs = [(tmp / f"p{i}.log").read_text(errors="replace")[-3000:] for i in range(count)]
+    assert all(p.wait() == 0 for p in procs), logs
+    return [json.loads((tmp / f"p{i}.json").read_text()) for i in range(count)]

@@ -94,7 +94,7 @@ class AveragerProcess:
         moment. It did, as a round was being given up: "Task was destroyed but it is pending!" for the
         round, its search and its declarations; the search's context could not close ("aclose(): asynchronous
         generator is already running") and kept hivemind's search lock, so this peer never declared or looked
-        for a group again. In a CI rehearsal and in 1 of 5 local runs of the relay-capture test that peer was
+        for a group again. In a CI rehearsal and in 1 of 9 local runs of the relay-capture tests that peer was
         cut from every round for the rest of the run, each time catching up and searching alone."""
         task = asyncio.current_task()
         if task is not None:

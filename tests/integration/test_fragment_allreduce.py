@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from swarm_procs import run_peer_programs
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT = "0123456789abcdef"
 NAMES = ["embed.weight", *(f"layers.{i}.{w}" for i in range(4) for w in ("attn.weight", "mlp.weight")),
          "norm.weight"]
@@ -84,30 +82,9 @@ def _run_peer(spec_path: str) -> None:
 
 
 def test_two_fragments_average_in_turn_through_a_real_two_peer_allreduce(tmp_path: Path) -> None:
-    from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
-
-    boot = start_dht(SwarmConfig.for_loopback())
-    procs = []
-    try:
-        for index in range(2):
-            spec = dict(index=index, initial_peers=visible_maddrs(boot), run_id="frag",
-                        out=str(tmp_path / f"p{index}.json"))
-            (tmp_path / f"p{index}.spec").write_text(json.dumps(spec))
-            log = open(tmp_path / f"p{index}.log", "wb")
-            procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"p{index}.spec")],
-                                          stdout=log, stderr=subprocess.STDOUT,
-                                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")))
-        for proc in procs:
-            proc.wait(timeout=200)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-        boot.shutdown()
+    results = [{run["codec"]: run["rounds"] for run in out}
+               for out in run_peer_programs(tmp_path, __file__, "frag", timeout=200)]
     logs = [(tmp_path / f"p{i}.log").read_text(errors="replace")[-3000:] for i in range(2)]
-    assert all(p.returncode == 0 for p in procs), logs
-    results = [{run["codec"]: run["rounds"] for run in json.loads((tmp_path / f"p{i}.json").read_text())}
-               for i in range(2)]
     exact = {f: [(a + b) / 2 for a, b in zip(peer_input(0, f), peer_input(1, f), strict=True)]
              for f in range(FRAGMENTS)}
     fragment_sizes = [sum(math.prod(SHAPES[i]) for i in group) for group in groups()]

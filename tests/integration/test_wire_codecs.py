@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from swarm_procs import run_peer_programs
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT = "0123456789abcdef"
 SHAPES = [(256, 256), (4096,)]
 # (codec, error feedback, credit what the reply dropped: OuterConfig.credit_undelivered)
@@ -114,29 +112,8 @@ def _nan_once_rounds(spec: dict, dht: object, fresh: list[torch.Tensor]) -> list
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Path) -> None:
-    from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
-
-    boot = start_dht(SwarmConfig.for_loopback())
-    procs = []
-    try:
-        for index in range(2):
-            spec = dict(index=index, initial_peers=visible_maddrs(boot), run_id="wire",
-                        out=str(tmp_path / f"p{index}.json"))
-            (tmp_path / f"p{index}.spec").write_text(json.dumps(spec))
-            log = open(tmp_path / f"p{index}.log", "wb")
-            procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path / f"p{index}.spec")],
-                                          stdout=log, stderr=subprocess.STDOUT,
-                                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")))
-        for proc in procs:
-            proc.wait(timeout=240)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-        boot.shutdown()
+    results = run_peer_programs(tmp_path, __file__, "wire")
     logs = [(tmp_path / f"p{i}.log").read_text(errors="replace")[-3000:] for i in range(2)]
-    assert all(p.returncode == 0 for p in procs), logs
-    results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
 
     inputs = [torch.cat([t.reshape(-1) for t in peer_input(i)]) for i in range(2)]
     exact = (inputs[0] + inputs[1]) / 2
