@@ -49,6 +49,7 @@ from p2p_diloco.peer.report import Outcome
 from p2p_diloco.peer.resume import save_session, state_dict_of
 from p2p_diloco.peer.runlog import RunLog
 from p2p_diloco.peer.session import SwarmSession
+from p2p_diloco.peer.streaming_session import StreamingSession
 from p2p_diloco.swarm import SwarmStartError
 from p2p_diloco.trainer import place_model
 
@@ -156,10 +157,10 @@ def _main(argv: Sequence[str] | None) -> int:
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
     raise_open_files_limit()  # before any child process: they inherit it (see cli.open_files)
-    if (cfg.outer.fragments, cfg.outer.fragment_delay, cfg.outer.fragment_alpha) != (1, 0, 0.0):
-        usage_error(PROG, "--fragments, --fragment-delay and --fragment-alpha: the swarm peer does not synchronise "
-                          "fragments yet (Streaming DiLoCo runs in the simulator: python -m p2p_diloco.simulate "
-                          "--mode streaming); leave them at 1, 0 and 0")
+    if cfg.outer.fragment_delay != 0:
+        usage_error(PROG, "--fragment-delay: the swarm peer runs each fragment's all-reduce at its sync step "
+                          "(--fragment-delay 0); overlapping it with the next steps runs in the simulator only "
+                          "(python -m p2p_diloco.simulate --mode streaming)")
     # Before the model exists and the swarm's processes are forked; the threshold by where the step runs (see
     # host_memory). A device this machine lacks is refused later, with the node's own message.
     requested = cfg.inner.device
@@ -181,7 +182,18 @@ def _main(argv: Sequence[str] | None) -> int:
         usage_error(PROG, str(e))
     display = ProgressDisplay.for_terminal(sys.stdout, log_file=cfg.run.log_file,
                                            tokens_per_step=cfg.inner.batch_size * cfg.model.seq_len * ranks)
-    if group is None:
+    if group is None and cfg.outer.fragments > 1:
+        try:
+            session = StreamingSession(cfg, list(model.parameters()), fingerprint,
+                                       names=[name for name, _ in model.named_parameters()], listeners=[display],
+                                       faults=faults or NO_FAULTS)
+        except ValueError as e:
+            usage_error(PROG, str(e))
+        try:
+            place_model(model, cfg.inner)
+        except ValueError as e:
+            usage_error(PROG, str(e))
+    elif group is None:
         session = SwarmSession(cfg, list(model.parameters()), fingerprint, listeners=[display],
                                faults=faults or NO_FAULTS)
         # On its device before session.start() forks the swarm's processes (see SwarmSession.start), and only
@@ -190,6 +202,9 @@ def _main(argv: Sequence[str] | None) -> int:
             place_model(model, cfg.inner)
         except ValueError as e:
             usage_error(PROG, str(e))
+    elif cfg.outer.fragments > 1:
+        usage_error(PROG, "--fragments: a node of several GPUs does not synchronise fragments yet; run it with "
+                          "--fragments 1, or each GPU as a peer of its own")
     else:
         try:
             node_model = NodeModel(model, cfg.node.parallel, group)

@@ -129,6 +129,21 @@ class FragmentSchedule:
         """Fragments whose outer result is applied after inner step ``step`` (their sync was τ steps before)."""
         return self.syncs(step - self.delay)
 
+    def sync_step(self, fragment: int, count: int) -> int:
+        """The step of ``fragment``'s ``count``-th sync (from 1); 0 for ``count`` 0 (none yet)."""
+        if count <= 0:
+            return 0
+        offset = self.offset(fragment)
+        return offset + (count - 1) * self.local_steps if offset > 0 else count * self.local_steps
+
+    def position(self, epochs: Sequence[int]) -> int:
+        """Where a peer whose fragments are at ``epochs`` (rounds done by each) stands in the schedule: the step of
+        the last sync among them. A joiner takes it from the epochs it downloaded, so no step counter needs to be
+        trusted from a peer; with τ = 0, every fragment round done by then has been merged."""
+        if len(epochs) != self.fragments:
+            raise ValueError(f"{len(epochs)} fragment epochs for {self.fragments} fragments")
+        return max(self.sync_step(f, e) for f, e in enumerate(epochs))
+
     def next_event(self, step: int) -> int:
         """The first step after ``step`` at which some fragment syncs or merges."""
         candidates = []

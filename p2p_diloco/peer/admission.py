@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -18,15 +19,17 @@ from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 logger = logging.getLogger(__name__)
 
 
-def share_host_state(state: OuterState, params: list[torch.Tensor]) -> None:
+def share_host_state(state: OuterState | Sequence[OuterState], params: list[torch.Tensor]) -> None:
     """Put the host tensors the training process keeps writing (anchors, momentum, a CPU peer's weights) in
     shared memory before ``Swarm.start`` forks the DHT and averager processes, so that those do not keep
     private copies of them (``p2p_diloco.shared_memory``); first check that ``/dev/shm`` holds them
-    (``SwarmStartError`` naming the fix when it does not)."""
-    host = [*state.anchors, *(b for b in state.outer.momentum_buffers() if b is not None),
+    (``SwarmStartError`` naming the fix when it does not). ``state``: the outer state, or each fragment's."""
+    states = [state] if isinstance(state, OuterState) else list(state)
+    host = [*(a for s in states for a in s.anchors),
+            *(b for s in states for b in s.outer.momentum_buffers() if b is not None),
             *(p for p in params if p.device.type == "cpu")]
     already = sum(t.numel() * t.element_size() for t in host if t.is_shared())
-    problem = check_room(state.numel, weights_on_cpu=any(p.device.type == "cpu" for p in params),
+    problem = check_room(sum(s.numel for s in states), weights_on_cpu=any(p.device.type == "cpu" for p in params),
                          already_shared=already)
     if problem is not None:
         raise SwarmStartError(problem)

@@ -23,7 +23,8 @@ def state_dict_of(ck: Checkpoint) -> dict[str, Any]:
     """A checkpoint as :meth:`SwarmSession.load_state_dict` takes it."""
     return {"epoch": ck.epoch, "outer": ck.tensors, "inner_step": ck.manifest.get("inner_step", 0),
             "data_id": ck.manifest.get("data_id"), "data_position": ck.manifest.get("data_position", {}),
-            "node_data_positions": ck.manifest.get("node_data_positions", [])}
+            "node_data_positions": ck.manifest.get("node_data_positions", []),
+            "fragment_epochs": ck.manifest.get("fragment_epochs")}
 
 
 def save_session(session: SwarmSession | NodeSession, on_saved: Callable[[int, float], None] | None = None) -> None:
@@ -43,6 +44,8 @@ def save_session(session: SwarmSession | NodeSession, on_saved: Callable[[int, f
                     "seq_len": cfg.model.seq_len, "data_id": state["data_id"],
                     "data_position": state["data_position"], "inner_step": state["inner_step"],
                     "saved_at": time.time()}
+        if state.get("fragment_epochs") is not None:  # a Streaming DiLoCo peer's (peer.streaming_session)
+            manifest["fragment_epochs"] = state["fragment_epochs"]
         if state.get("node_data_positions"):
             manifest["node_data_positions"] = state["node_data_positions"]
         try:

@@ -83,24 +83,20 @@ class SwarmSession:
 
     def __init__(self, cfg: PeerConfig, params: list[torch.Tensor], fingerprint: str,
                  listeners: list[SessionListener] | None = None, faults: FaultHooks = NO_FAULTS) -> None:
-        self.cfg, self.params, self.fingerprint, self.faults = cfg, params, fingerprint, faults
-        policy = StalenessPolicy(cfg.outer.staleness_decay, cfg.outer.max_staleness)
+        self._setup(cfg, params, fingerprint, faults)
+        policy = self.staleness_policy()
         # Anchors on the CPU: the averager shares them with its process and the outer step is cheap.
         self.state = OuterState(params, lr=cfg.outer.lr, momentum=cfg.outer.momentum, policy=policy, device="cpu")
-        self.swarm = Swarm(cfg.swarm, fingerprint, self.state.anchors,
-                           wire_compression(cfg.outer.compression, cfg.outer.error_feedback,
-                                            error_feedback_decay=cfg.outer.error_feedback_decay,
-                                            chunk_size=cfg.outer.topk_chunk_size, k=cfg.outer.topk_k,
-                                            credit_undelivered=cfg.outer.credit_undelivered),
-                           faults.swarm_hook())
-        if cfg.run.checkpoint_dir:  # a state download cut by a restart resumes from its verified chunks
-            self.swarm.partial_dir = Path(cfg.run.checkpoint_dir).expanduser() / "state-partial"
+        self.swarm = self._make_swarm(self.state.anchors)
         eager = cfg.outer.overlap == "eager"
-        trusted = read_allowed_peers(cfg.swarm.trusted_peers, "trusted_peers") if cfg.swarm.trusted_peers else ()
         self.port = SwarmPort(self.swarm, self.state, params, list(listeners or []), faults, eager,
-                              Evidence(trusted=trusted))
+                              Evidence(trusted=self.trusted_peers()))
         self.driver = RoundDriver(self.state, params, RoundPolicy(policy, cfg.swarm.solo_after_s, eager),
                                   self.port, "", matchmaking_time_s=cfg.swarm.matchmaking_time_s)
+
+    def _setup(self, cfg: PeerConfig, params: list[torch.Tensor], fingerprint: str, faults: FaultHooks) -> None:
+        """What every session keeps besides its rounds: the configuration, the step counters and the data."""
+        self.cfg, self.params, self.fingerprint, self.faults = cfg, params, fingerprint, faults
         self.dylu = DyLU(cfg.outer.local_steps, min_steps=cfg.outer.min_local_steps)
         self.my_speed: float | None = None
         self.rounds_done = 0
@@ -113,6 +109,30 @@ class SwarmSession:
         self._last_progress = 0.0
         self._last_rates = (0.0, 0.0, 0.0)
         self._phase_began: float | None = None  # monotonic start of the inner phase under way, if one is
+
+    def staleness_policy(self) -> StalenessPolicy:
+        return StalenessPolicy(self.cfg.outer.staleness_decay, self.cfg.outer.max_staleness)
+
+    def trusted_peers(self) -> tuple[str, ...] | frozenset[str]:
+        """``--trusted-peers``, read (empty without)."""
+        swarm = self.cfg.swarm
+        return read_allowed_peers(swarm.trusted_peers, "trusted_peers") if swarm.trusted_peers else ()
+
+    def _make_swarm(self, anchors: list[torch.Tensor], fragments: list[list[int]] | None = None) -> Swarm:
+        """The swarm over ``anchors`` (the model's, in order), with the run's wire codec."""
+        cfg = self.cfg
+        swarm = Swarm(cfg.swarm, self.fingerprint, anchors,
+                      wire_compression(cfg.outer.compression, cfg.outer.error_feedback,
+                                       error_feedback_decay=cfg.outer.error_feedback_decay,
+                                       chunk_size=cfg.outer.topk_chunk_size, k=cfg.outer.topk_k,
+                                       credit_undelivered=cfg.outer.credit_undelivered),
+                      self.faults.swarm_hook(), fragments=fragments)
+        if cfg.run.checkpoint_dir:  # a state download cut by a restart resumes from its verified chunks
+            swarm.partial_dir = Path(cfg.run.checkpoint_dir).expanduser() / "state-partial"
+        return swarm
+
+    def _notify(self, method: str, *args: Any) -> None:
+        self.port.view.notify(method, *args)
 
     # ------------------------------------------------------------------ state
 
@@ -250,7 +270,7 @@ class SwarmSession:
     def on_inner_step(self, step: int, loss: float) -> None:
         """Pass to ``InnerTrainer.train_steps``: keeps this peer's progress record fresh in the DHT."""
         self.inner_step += 1
-        self.port.view.notify("inner_step", step, self.planned_steps, loss, self.epoch)
+        self._notify("inner_step", step, self.planned_steps, loss, self.epoch)
         self.faults.after_inner_step()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self._publish_progress()

@@ -8,7 +8,8 @@ messages (nothing is pickled):
   ``MANIFEST`` asks for a manifest: with an all-zero digest the served state's (msgpack metadata with the
   sha256 of every chunk, ``swarm.state``), with a state's digest the manifest of the last round's update
   from that state to the served one (``swarm.catchup``); any other index asks for a chunk of the state or
-  update of that digest;
+  update of that digest; with fragments, with a fragment's selector (:func:`fragment_selector`), that
+  fragment's served state's manifest;
 - answer: the manifest in ``metadata``, or the chunk's bytes in ``tensor_part.buffer``, in parts of
   :data:`PART_BYTES` so that ``next_chunk_timeout`` measures progress, not a whole chunk's transfer at
   1 Mbit/s. An empty answer means "not served" (another digest now, refused, or busy).
@@ -67,6 +68,13 @@ INCOMPLETE = "download incomplete"
 """How :func:`fetch_verified` names a download whose donors stopped serving before every chunk came."""
 BAD_CHUNK = "failed its hash"
 """How a donor dropped for a chunk that does not match the manifest is named."""
+
+
+def fragment_selector(fragment: int) -> str:
+    """The digest a manifest request names to ask for one fragment's served state (Streaming DiLoCo,
+    ``swarm.fragment_swarm``), where the all-zero digest asks for the whole model's: a fixed hash of the
+    fragment's index, which no state or update digest can equal unless sha256 collides."""
+    return hashlib.sha256(f"p2p_diloco fragment {int(fragment)}".encode()).hexdigest()
 
 
 def encode_request(sha: str | None, index: int) -> bytes:
@@ -158,6 +166,8 @@ class _Served:
 
     @classmethod
     def of(cls, version: int, metadata: dict, tensors: Sequence[torch.Tensor]) -> _Served:
+        if "f" in metadata:
+            return cls.of_fragments(version, metadata["f"], tensors)
         state, update = metadata["s"], metadata.get("u")
         n_state = state["np"] + state["no"]
         views = _byte_views(tensors)
@@ -166,6 +176,23 @@ class _Served:
         if update is not None:
             manifests[update["base"]] = MSGPackSerializer.dumps(update)
             objects[update["sha"]] = (views[n_state:], state_chunk_map(tensors[n_state:], update["np"]))
+        return cls(version, manifests, objects)
+
+    @classmethod
+    def of_fragments(cls, version: int, metas: Sequence[dict | None], tensors: Sequence[torch.Tensor]) -> _Served:
+        """Each fragment's state (``StateServer``'s fragments, in order; None: not served now), its manifest
+        under :func:`fragment_selector`."""
+        views = _byte_views(tensors)
+        manifests: dict[str, bytes] = {}
+        objects: dict[str, tuple[list[np.ndarray], ChunkMap]] = {}
+        at = 0
+        for fragment, meta in enumerate(metas):
+            if meta is None:
+                continue
+            n = meta["np"] + meta["no"]
+            manifests[fragment_selector(fragment)] = MSGPackSerializer.dumps(meta)
+            objects[meta["sha"]] = (views[at:at + n], state_chunk_map(tensors[at:at + n], meta["np"]))
+            at += n
         return cls(version, manifests, objects)
 
 

@@ -5,6 +5,8 @@ Keys (all prefixed by the run id, so runs sharing one DHT never read each other'
 - ``{run_id}_progress_v{protocol}``: one subkey per peer holding a ``ProgressRecord``-shaped dict.
 - ``{run_id}_checksum_v{protocol}_e{epoch}``: one subkey per peer holding the 64-hex-character sha256 of its
   parameters right after the outer step that produced ``epoch``.
+- With Streaming DiLoCo's fragments, both again under each fragment's namespace (:func:`fragment_records_id`
+  in place of the run id), holding that fragment's epoch and state digest (``swarm.fragment_swarm``).
 
 ``protocol`` is ``swarm.protocol.PROTOCOL_VERSION``: peers of another release publish under other keys, so
 neither side reads, nor bans for, records it cannot parse (version 1, before the version existed, used
@@ -119,6 +121,13 @@ class PeerProgress:
 
 def progress_key(run_id: str, protocol: int = PROTOCOL_VERSION) -> str:
     return versioned(f"{run_id}_progress", protocol)
+
+
+def fragment_records_id(run_id: str, tag: str, fragment: int) -> str:
+    """The namespace of one fragment's records (progress and checksums) in run ``run_id`` under the fragment
+    layout ``tag`` (``BufferLayout.tag``), used where the run's id is (``swarm.fragment_swarm``): peers with
+    another F or assignment never read each other's fragment records."""
+    return f"{run_id}{tag}_f{int(fragment)}"
 
 
 def checksum_key(run_id: str, epoch: int, protocol: int = PROTOCOL_VERSION) -> str:

@@ -167,6 +167,8 @@ def download_state(
     trusted: frozenset[str] | None = None,
     partial_dir: Path | None = None,
     backed: dict[str, int] | None = None,
+    selector: str | None = None,
+    run_id: str | None = None,
 ) -> SwarmState | None:
     """Download and verify the swarm's state from up to ``max_donors`` donors within ``timeout`` seconds
     (default ``cfg.state_download_timeout_s``). ``min_epoch`` defaults to the swarm's global epoch.
@@ -183,8 +185,12 @@ def download_state(
 
     Every donor's manifest is read first (small) and checked against the digest it claims; the first
     acceptable digest in donor order (trusted donors first, then by epoch) is downloaded from every donor
-    serving that same digest at once (``swarm.chunk_transfer``), each chunk checked on receipt."""
+    serving that same digest at once (``swarm.chunk_transfer``), each chunk checked on receipt.
+
+    ``selector`` and ``run_id``: one fragment's state (``chunk_transfer.fragment_selector``, and the fragment's
+    namespace, which its manifest names and its votes are read under); the templates are its tensors."""
     cfg = averager.cfg
+    run_id = run_id or cfg.run_id
     deadline = time.monotonic() + (timeout if timeout is not None else cfg.state_download_timeout_s)
     templates = list(template_params) + list(template_opt)
     layouts = ([(t.dtype, tuple(t.shape)) for t in template_params], [(t.dtype, tuple(t.shape)) for t in template_opt])
@@ -195,17 +201,18 @@ def download_state(
             donors.sort(key=lambda donor: donor[0] not in trusted)  # stable: by priority within each kind
         donors = donors[:max_donors]
         if min_epoch is None:
-            progress = fetch_progress(averager.dht, cfg.run_id)
+            progress = fetch_progress(averager.dht, run_id)
             min_epoch = global_epoch(progress, fingerprint=averager.fingerprint) or 0
         raw = averager.fetch_manifests([peer for peer, _ in donors], max_bytes=max_manifest_bytes(chunks),
-                                       timeout=max(1.0, min(cfg.next_chunk_timeout_s, deadline - time.monotonic())))
+                                       timeout=max(1.0, min(cfg.next_chunk_timeout_s, deadline - time.monotonic())),
+                                       base=selector)
     except Exception as e:
         logger.warning("Cannot look up state donors, their manifests or the swarm's epoch: %r", e)
         return None
     manifests: dict[str, dict] = {}
     rejected: list[str] = []
     for peer, _priority in donors:
-        meta = check_state_metadata(raw.get(peer), cfg.run_id, averager.fingerprint, layouts, chunks)
+        meta = check_state_metadata(raw.get(peer), run_id, averager.fingerprint, layouts, chunks)
         if isinstance(meta, dict) and meta["ep"] < min_epoch:
             meta = f"state of epoch {meta['ep']} is older than the swarm's epoch {min_epoch}"
         if isinstance(meta, str):
@@ -223,7 +230,7 @@ def download_state(
         sha = meta["sha"]
         if count_votes:
             if meta["ep"] not in votes:
-                votes[meta["ep"]] = fetch_checksums(averager.dht, cfg.run_id, meta["ep"])
+                votes[meta["ep"]] = fetch_checksums(averager.dht, run_id, meta["ep"])
             verdict = state_verdict(peer, sha, votes[meta["ep"]], trusted)
             if verdict is not None:
                 return None, f"parameters {sha[:12]}... {verdict} for epoch {meta['ep']}", trusted is None

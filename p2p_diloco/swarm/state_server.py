@@ -112,13 +112,21 @@ class StateServer:
         """Manifests handed out when the served state was published (the next publish's ``_served_since``)."""
         self.kept_updates = 0
         """Rounds through which the last update was kept (copied) for a joiner still catching up."""
+        self._fragments: dict[int, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+        """With Streaming DiLoCo's fragments: each fragment's served state (metadata, tensors), by fragment;
+        one that is changing is absent. Each is asked for by its own selector (``chunk_transfer``)."""
 
     def publish(self, params: Sequence[torch.Tensor], opt_tensors: Sequence[torch.Tensor], epoch: int,
-                manifest: TensorManifest | None = None, update: ServedUpdate | None = None) -> str:
+                manifest: TensorManifest | None = None, update: ServedUpdate | None = None,
+                fragment: int | None = None, records_id: str | None = None) -> str:
         """Serve ``params`` and ``opt_tensors`` (CPU tensors, not copied) as the state of ``epoch``; returns
         its digest (``checksum.state_sha256``). ``manifest``: the parameters' manifest when the caller hashed
         them already (one pass over them per round; the digest then adds only the momentum's pass).
         ``update``: the round's update that led here, served until :meth:`withdraw_update`.
+
+        ``fragment``: the state is that fragment's (Streaming DiLoCo), served beside the others' under the
+        manifest of ``records_id`` (the fragment's namespace, which a joiner checks), without an update (a
+        fragment left behind downloads the fragment: 1/F of the model).
 
         A client-mode peer serves nothing: it accepts no incoming connections, so no joiner could download
         from it, and hivemind refuses to announce its state. It only gets the checksum back.
@@ -133,8 +141,15 @@ class StateServer:
         if any(t.device.type != "cpu" for t in (*tensors, *extra)):
             raise ValueError("the served state must be CPU tensors (keep anchors and momentum on the CPU)")
         cfg = self._averager.cfg
-        metadata = make_state_metadata(cfg.run_id, self._averager.fingerprint, int(epoch), sha, manifest, momentum,
-                                       len(params), len(opt_tensors))
+        metadata = make_state_metadata(records_id or cfg.run_id, self._averager.fingerprint, int(epoch), sha,
+                                       manifest, momentum, len(params), len(opt_tensors))
+        if fragment is not None:
+            with self._lock:
+                self._fragments[fragment] = (metadata, tensors)
+                priority = float(sum(meta["ep"] for meta, _ in self._fragments.values()))
+            self._averager.state_sharing_priority = priority  # fragment rounds done: donors ahead first
+            self._averager.set_state_provider(self._provide_fragments)
+            return sha
         served = self._averager.manifests_served()
         with self._lock:
             self._state = (metadata, tensors)
@@ -159,6 +174,16 @@ class StateServer:
                                              np=len(fresh), no=len(stale), pc=fm.chunks, mc=sm.chunks)
                 extra = [t.detach() for t in (*fresh, *stale)]
             return {"s": state_meta, "u": self._update_meta if update is not None else None}, tensors + extra
+
+    def _provide_fragments(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """Every fragment's served state: ``{"f": [metadata or None, ...]}`` and their tensors, in that order."""
+        with self._lock:
+            if not self._fragments:
+                raise RuntimeError("this peer's state is changing; ask another donor")
+            top = max(self._fragments) + 1
+            metas = [self._fragments[f][0] if f in self._fragments else None for f in range(top)]
+            tensors = [t for f in range(top) if f in self._fragments for t in self._fragments[f][1]]
+        return {"f": metas}, tensors
 
     @property
     def served(self) -> int:
@@ -189,14 +214,17 @@ class StateServer:
                 self._update = self._update_meta = None
         self._wait_and_cut(timeout)  # downloads in flight read the buffers about to change: cut them
 
-    def withdraw(self, timeout: float) -> None:
-        """The served tensors are about to change: stop handing them out, wait up to ``timeout`` s for the
-        downloads in flight to end (a joiner fetching chunks counts until it paused ``chunk_transfer.PIN_S``), then make
-        any still running stop before their next message."""
+    def withdraw(self, timeout: float, fragment: int | None = None) -> None:
+        """The served tensors (``fragment``'s, with fragments) are about to change: stop handing them out, wait
+        up to ``timeout`` s for the downloads in flight to end (a joiner fetching chunks counts until it paused
+        ``chunk_transfer.PIN_S``), then make any still running stop before their next message (with fragments,
+        the other fragments' downloads too: one version counts every served state's changes)."""
         with self._lock:
             self._state = None
             self._update = self._update_meta = None
             self._update_owned = False
+            if fragment is not None:
+                self._fragments.pop(fragment, None)
         self._averager.mark_state_live(False)
         self._wait_and_cut(timeout)
 

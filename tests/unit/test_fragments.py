@@ -259,3 +259,17 @@ def test_a_drifted_fragment_is_voted_out_resynced_alone_and_its_work_folded_late
         assert len({s.epoch for s in states}) == 1
         for other in states[1:]:
             assert all(torch.equal(a, b) for a, b in zip(states[0].anchors, other.anchors, strict=True))
+
+
+def test_a_peers_place_in_the_schedule_follows_from_its_fragments_epochs() -> None:
+    schedule = FragmentSchedule(local_steps=10, fragments=2)  # fragment 1 syncs at 5, 15, ...; fragment 0 at 10, 20
+    assert [schedule.sync_step(1, k) for k in range(4)] == [0, 5, 15, 25]
+    assert [schedule.sync_step(0, k) for k in range(4)] == [0, 10, 20, 30]
+    assert schedule.position([0, 0]) == 0  # nothing synced: the next event is fragment 1's first sync
+    assert schedule.position([0, 1]) == 5 and schedule.next_event(5) == 10  # between the two: fragment 0 next
+    assert schedule.position([1, 1]) == 10 and schedule.next_event(10) == 15
+    assert schedule.position([3, 4]) == 35 and schedule.next_event(35) == 40
+    # a peer whose fragment 1 is a round behind (a skipped round) stands where its last sync was
+    assert schedule.position([4, 3]) == 40
+    with pytest.raises(ValueError, match="2 fragments"):
+        schedule.position([1, 1, 1])
