@@ -115,11 +115,8 @@ def report(rows: dict[str, dict[str, list[dict]]]) -> list[str]:
         "while the residual still sends the rest; α = 0 with τ = 2 cost 0.9%. This is one short horizon on the",
         "tiny preset; check α on your run length with the simulator before relying on it.",
         "",
-        "Not measured yet: the swarm side (4 peers on the namespace testbed at 20 Mbit/s: peak and mean bytes per",
-        "second, compute utilization, host bytes per parameter at `150m`, F = 4). The averager runs fragment rounds",
-        "(one flat buffer of the largest fragment, each fragment its own codec residual; tested through a real 2-peer",
-        "all-reduce), but the swarm peer does not drive them yet and refuses `--fragments` (docs/architecture.md,",
-        "\"Streaming DiLoCo\").",
+        "The swarm side (`run_peer --fragments F`, τ = 0 only: real peers on the namespace testbed, and the host",
+        "memory at `150m`) follows below.",
         "",
         "![streaming](benchmarks/results/streaming.png)",
     ]

@@ -1,0 +1,121 @@
+"""Streaming DiLoCo against DiLoCo in a real swarm on the namespace testbed: bytes and time per round, compute
+utilization, at a fixed link rate.
+
+    sudo .venv/bin/python -m benchmarks.streaming_swarm              # F = 1, 2, 4; writes the JSON and BENCHMARKS.md
+    .venv/bin/python -m benchmarks.streaming_swarm --report-only     # table from results/streaming_swarm.json
+
+Each case starts a bootstrap and 4 ``run_peer`` processes in network namespaces whose links are limited to
+``--rate`` Mbit/s each way (``benchmarks/testbed.py``: veth pairs and ``tc tbf``), the tiny preset, fp32,
+``--local-steps H`` and ``--fragments F``, for the same inner steps per peer in every case (R whole rounds: R·F
+fragment rounds). Read from the peers' run logs, rounds of all 4 after the first F (start-up) only:
+
+- **bytes per round**: what a peer sent in one fragment round (``bytes_sent``: the all-reduce's payload), and
+  its all-reduce's seconds. Their ratio is the rate a peer sends at while it sends, which the link caps: on a
+  fixed link, fragments send the same rate for 1/F of the time, so what falls is the burst, not its rate;
+- **mean bytes per second**: everything a peer sent over the run's wall time;
+- **compute utilization**: inner-phase seconds over wall seconds between round ends (median over peers and
+  rounds): the time a blocking round takes from training is what fragments shorten.
+
+The simulator's peak and loss for the same settings are in BENCHMARKS.md "Streaming DiLoCo".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.perf_swarm import PEER_BASE, fresh, read_log
+from benchmarks.report import replace_section
+from benchmarks.testbed import Testbed, start_swarm, wait_peers
+
+logger = logging.getLogger("streaming_swarm")
+ROOT = Path(__file__).resolve().parents[1]
+STORE = ROOT / "benchmarks" / "results" / "streaming_swarm.json"
+PEERS = 4
+
+
+def _case(fragments: int, rate: float, steps: int, rounds: int) -> dict[str, Any]:
+    out = fresh(f"stream-F{fragments}")
+    args = [*PEER_BASE, "--run-id", f"stream-F{fragments}", "--local-steps", str(steps), "--min-local-steps",
+            str(steps), "--max-rounds", str(rounds * fragments), "--eval-every", "0", "--fragments", str(fragments),
+            "--matchmaking-time-s", "5", "--matchmaking-timeout-s", "60", "--request-timeout-s", "4"]
+    # every peer from epoch 0 together: the first one up must not apply rounds alone (tests' START_TOGETHER)
+    together = {i: {"P2P_DILOCO_FAULTS": "slow_steps@0=0.4"} for i in range(1, PEERS + 1)}
+    began = time.time()
+    with Testbed(PEERS + 1, rate) as bed:
+        procs = start_swarm(bed, out, PEERS, args, peer_env=together)
+        codes = wait_peers(procs, 900)
+    peers = []
+    for i in range(1, PEERS + 1):
+        rows = read_log(out / f"peer{i}.jsonl")
+        start = read_log(out / f"peer{i}.jsonl", "start")
+        t0 = start[0]["time"] if start else began
+        times = [t0] + [r["time"] for r in rows]
+        steady = [(r, t1 - t0_) for r, t0_, t1 in zip(rows, times, times[1:], strict=False)][fragments:]
+        full = [(r, wall) for r, wall in steady if r["outcome"] == "averaged" and r["group_size"] == PEERS]
+        sent = sum(r.get("bytes_sent") or 0 for r in rows)
+        wall = rows[-1]["time"] - t0 if rows else float("nan")
+        peers.append(dict(
+            outcomes=[r["outcome"] for r in rows],
+            bytes_per_round=[r["bytes_sent"] for r, _ in full],
+            allreduce_s=[r["allreduce_seconds"] for r, _ in full],
+            utilization=[r["inner_seconds"] / w for r, w in steady if w > 0],
+            sent=sent, wall_s=wall))
+    return dict(fragments=fragments, codes=codes, peers=peers)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(data: dict[str, Any]) -> list[str]:
+    lines = [f"Swarm (`benchmarks/streaming_swarm.py`): {PEERS} `run_peer` processes on the namespace testbed, "
+             f"{data['rate_mbit']:g} Mbit/s per link each way, tiny preset (837k parameters, fp32), H = "
+             f"{data['local_steps']}, {data['rounds']} whole rounds of inner steps per peer (R·F fragment rounds); "
+             f"rounds of all {PEERS} after the first F. Run of {data['when']}.", "",
+             "| setting | rounds of all 4 (of R·F per peer) | bytes sent per round per peer | all-reduce s per round | "
+             "rate while sending (Mbit/s) | mean bytes/s per peer | compute utilization |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for case in data["cases"]:
+        peers = case["peers"]
+        per_round = [b for p in peers for b in p["bytes_per_round"]]
+        seconds = [s for p in peers for s in p["allreduce_s"]]
+        rates = [b * 8 / s / 1e6 for p in peers for b, s in zip(p["bytes_per_round"], p["allreduce_s"], strict=True)
+                 if s > 0]
+        mean_rate = _median([p["sent"] / p["wall_s"] for p in peers if p["wall_s"] > 0])
+        util = _median([u for p in peers for u in p["utilization"]])
+        name = "DiLoCo" if case["fragments"] == 1 else f"F={case['fragments']}, τ=0"
+        full = _median([len(p["bytes_per_round"]) for p in peers])
+        lines.append(f"| {name} | {full:g} of {data['rounds'] * case['fragments']} | {_median(per_round):,.0f} | "
+                     f"{_median(seconds):.2f} | {_median(rates):.1f} | {mean_rate:,.0f} | {util:.1%} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=20.0, help="Mbit/s per link, each way")
+    parser.add_argument("--local-steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=4, help="whole rounds of inner steps per peer")
+    parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    if not args.report_only:
+        cases = [_case(f, args.rate, args.local_steps, args.rounds) for f in args.fragments]
+        data = dict(rate_mbit=args.rate, local_steps=args.local_steps, rounds=args.rounds,
+                    when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cases=cases)
+        STORE.write_text(json.dumps(data, indent=1))
+    data = json.loads(STORE.read_text())
+    lines = report(data)
+    replace_section(ROOT / "BENCHMARKS.md", "streaming-swarm", "\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
