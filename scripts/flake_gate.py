@@ -4,8 +4,10 @@ Usage (from the repository root, after ``bash scripts/setup.sh``)::
 
     .venv/bin/python scripts/flake_gate.py 5                    # every `slow` test, 5 times
     .venv/bin/python scripts/flake_gate.py 5 tests/integration/test_red_team.py   # a selection, 5 times
+    .venv/bin/python scripts/flake_gate.py 5 --workers 2        # two test files at a time (pytest-xdist)
 
-Each run is one ``pytest -m slow`` over the selection, one test at a time as CI runs them, writing a JUnit
+Each run is one ``pytest -m slow`` over the selection, one test at a time as CI runs them (``--workers N``: N test
+files at a time, ``pytest -n N --dist loadfile``, to see whether the tests hold under that load), writing a JUnit
 XML report; the gate then prints one line per test that failed at least once (failures/runs, and the first
 line of each distinct failure message) and exits 1 if any did. A change to a multi-process test, or to the
 round timing it depends on, should pass it with N = 5 before it lands.
@@ -23,9 +25,10 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def run_once(selection: list[str], report: Path) -> int:
+def run_once(selection: list[str], report: Path, workers: int = 1) -> int:
+    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     args = [sys.executable, "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-            *selection]
+            *parallel, *selection]
     return subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
 
 
@@ -48,15 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", type=int, help="how many times to run the selection (5 before a change lands)")
     parser.add_argument("selection", nargs="*", default=["tests"], help="test paths (default: the whole suite's "
                         "`slow` tests)")
+    parser.add_argument("--workers", type=int, default=1, help="test files run at a time (default 1, as CI)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("runs must be at least 1")
+    if args.workers < 1:
+        parser.error("workers must be at least 1")
     runs: dict[str, int] = defaultdict(int)
     failures: dict[str, list[str]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             began = time.monotonic()
-            code = run_once(args.selection, Path(tmp) / f"run{i}.xml")
+            code = run_once(args.selection, Path(tmp) / f"run{i}.xml", args.workers)
             seen = outcomes(Path(tmp) / f"run{i}.xml")
             for name, failure in seen.items():
                 runs[name] += 1

@@ -59,3 +59,14 @@ def test_the_gate_counts_each_tests_failures_across_runs(tmp_path: Path, capsys:
 def test_the_gate_refuses_a_selection_without_tests(tmp_path: Path) -> None:
     (tmp_path / "test_none.py").write_text("def test_plain():\n    pass\n")  # not slow: nothing to run
     assert _gate().main(["1", str(tmp_path)]) == 2
+
+
+def test_workers_run_test_files_side_by_side_as_xdist_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gate = _gate()
+    seen: list[list[str]] = []
+    monkeypatch.setattr(gate.subprocess, "run", lambda args, **_: seen.append(args) or type("R", (), {"returncode": 0}))
+    gate.run_once(["tests"], tmp_path / "r.xml", workers=2)
+    gate.run_once(["tests"], tmp_path / "r.xml")
+    assert seen[0][-5:] == ["-n", "2", "--dist", "loadfile", "tests"] and "-n" not in seen[1]
+    with pytest.raises(SystemExit):
+        gate.main(["1", "--workers", "0"])
