@@ -52,6 +52,7 @@ from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
 from p2p_diloco.peer.session import SwarmSession
+from p2p_diloco.swarm.fragment_swarm import FragmentSwarm
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class StreamingSession(SwarmSession):
         self.ports: list[SwarmPort] = []
 
         def make_port(f: int, state: OuterState, own: list[torch.Tensor]) -> RoundPort:
-            port = SwarmPort(self.swarm.fragment(f), state, own, self.listeners, faults, False,
+            port = SwarmPort(FragmentSwarm(self.swarm, f), state, own, self.listeners, faults, False,
                              Evidence(trusted=trusted))
             self.ports.append(port)
             return port

@@ -25,7 +25,6 @@ from p2p_diloco.swarm.chunk_transfer import fragment_selector
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.dht_writer import DhtWriter
-from p2p_diloco.swarm.fragment_swarm import FragmentSwarm
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.reach import MESSAGES, Reach, Stall, diagnose, own_reach
 from p2p_diloco.swarm.records import (
@@ -56,7 +55,7 @@ class Swarm:
         compression: the all-reduce's wire codec.
         fault_hook: test-only hook run inside the averager process (see ``runner.FaultHook``).
         fragments: Streaming DiLoCo's assignment (``core.fragments.assign_fragments``); with more than one, each
-            fragment's rounds, records, checksums and served state are its own (:meth:`fragment`).
+            fragment's rounds, records, checksums and served state are its own (``swarm.fragment_swarm``).
     """
 
     def __init__(self, cfg: SwarmConfig, fingerprint: str, template: Sequence[torch.Tensor],
@@ -303,12 +302,6 @@ class Swarm:
         return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight,
                                      due=due, copy_out=copy_out, left_behind=left_behind, step_back=step_back,
                                      fragment=fragment)
-
-    def fragment(self, fragment: int) -> FragmentSwarm:
-        """The view of this swarm that one fragment's rounds talk to (``swarm.fragment_swarm``)."""
-        if not self.layout.flat:
-            raise ValueError("this swarm has no fragments")
-        return FragmentSwarm(self, self.layout.check_fragment(fragment))
 
     def _warn_above_target(self, due: int, epoch: int) -> None:
         """Say so when more peers are due than one group holds (once per 50 rounds): the swarm then splits into

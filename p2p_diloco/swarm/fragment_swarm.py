@@ -27,7 +27,6 @@ Cost: F progress records per publication instead of one (at most every 5 s, and 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,12 +34,10 @@ from p2p_diloco.core.rounds import RoundResult
 from p2p_diloco.swarm.catchup import SwarmUpdate
 from p2p_diloco.swarm.checksum import TensorManifest
 from p2p_diloco.swarm.config import SwarmConfig
+from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.records import PeerProgress
 from p2p_diloco.swarm.state import SwarmState
 from p2p_diloco.swarm.state_server import ServedUpdate
-
-if TYPE_CHECKING:
-    from p2p_diloco.swarm.facade import Swarm
 
 __all__ = ["FragmentSwarm"]
 
@@ -51,7 +48,9 @@ class FragmentSwarm:
     time and never raises for network trouble, as the swarm's."""
 
     def __init__(self, swarm: Swarm, fragment: int) -> None:
-        self.swarm, self.fragment = swarm, fragment
+        if not swarm.layout.flat:
+            raise ValueError("this swarm has no fragments")
+        self.swarm, self.fragment = swarm, swarm.layout.check_fragment(fragment)
         self.records_id = swarm.fragment_ids[fragment]
         self._seen: list[PeerProgress] = []
         """The fragment's records :meth:`records` read last: who is due in its next round."""

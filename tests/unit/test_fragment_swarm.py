@@ -18,6 +18,7 @@ from p2p_diloco.swarm.buffer_layout import BufferLayout
 from p2p_diloco.swarm.chunk_transfer import _ANY, _Served, fragment_selector
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.facade import Swarm
+from p2p_diloco.swarm.fragment_swarm import FragmentSwarm
 from p2p_diloco.swarm.records import fragment_records_id
 from p2p_diloco.swarm.state_server import StateServer
 
@@ -60,13 +61,13 @@ def test_each_fragment_has_its_own_records_namespace_per_layout() -> None:
     assert len(ids) == 4 and all(i.startswith("run_F2x") for i in ids)
     swarm = Swarm(SwarmConfig.for_loopback(), "ab" * 8, template, fragments=[[0, 2], [1]])
     assert swarm.fragment_ids == [fragment_records_id(swarm.cfg.run_id, two.tag, f) for f in range(2)]
-    assert swarm.fragment(1).records_id == swarm.fragment_ids[1]
+    assert FragmentSwarm(swarm, 1).records_id == swarm.fragment_ids[1]
     with pytest.raises(ValueError, match="fragment must be"):
-        swarm.fragment(2)
+        FragmentSwarm(swarm, 2)
     whole = Swarm(SwarmConfig.for_loopback(), "ab" * 8, template)
     assert whole.fragment_ids == []
     with pytest.raises(ValueError, match="no fragments"):
-        whole.fragment(0)
+        FragmentSwarm(whole, 0)
     with pytest.raises(ValueError, match="2 fragment epochs for 0"):
         whole.publish_progress(epoch=0, inner_step=0, rates=(0.0, 0.0, 0.0), fragment_epochs=[0, 0])
 
