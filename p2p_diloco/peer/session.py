@@ -191,14 +191,22 @@ class SwarmSession:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`'s output (before :meth:`start`); ``ValueError`` names what is wrong."""
+        counters = self._resume_counters(state)
+        self.state.load_state_tensors(state["outer"], state["epoch"])
+        self.state.begin(self.params)
+        self._resumed_at(*counters)
+
+    @staticmethod
+    def _resume_counters(state: dict[str, Any]) -> tuple[int, str | None, DataPosition]:
+        """A state dict's inner step, data id and data position, checked (``ValueError`` naming what is wrong)."""
         inner_step, data_id = state.get("inner_step", 0), state.get("data_id")
         if not isinstance(inner_step, int) or inner_step < 0:
             raise ValueError(f"inner_step must be a non-negative integer, got {inner_step!r}")
         if data_id is not None and not isinstance(data_id, str):
             raise ValueError(f"data_id must be a string, got {data_id!r}")
-        position = DataPosition.from_dict(state.get("data_position") or {})
-        self.state.load_state_tensors(state["outer"], state["epoch"])
-        self.state.begin(self.params)
+        return inner_step, data_id, DataPosition.from_dict(state.get("data_position") or {})
+
+    def _resumed_at(self, inner_step: int, data_id: str | None, position: DataPosition) -> None:
         self.inner_step, self._data_id, self.data_position = inner_step, data_id, position
         self._resumed = True
 

@@ -189,17 +189,11 @@ class StreamingSession(SwarmSession):
             raise ValueError(f"the checkpoint holds no epochs of {len(self.states)} fragments (it was written by a "
                              f"peer with another --fragments); resume with that value, or start from another "
                              f"--checkpoint-dir")
-        inner_step, data_id = state.get("inner_step", 0), state.get("data_id")
-        if not isinstance(inner_step, int) or inner_step < 0:
-            raise ValueError(f"inner_step must be a non-negative integer, got {inner_step!r}")
-        if data_id is not None and not isinstance(data_id, str):
-            raise ValueError(f"data_id must be a string, got {data_id!r}")
-        position = DataPosition.from_dict(state.get("data_position") or {})
+        counters = self._resume_counters(state)
         parts = split_fragment_tensors(state["outer"], self.groups)
         for part, fragment_state, epoch in zip(parts, self.states, epochs, strict=True):
             fragment_state.load_state_tensors(part, epoch)
-        self.inner_step, self._data_id, self.data_position = inner_step, data_id, position
-        self._resumed = True
+        self._resumed_at(*counters)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -3,11 +3,10 @@ manifest selector, and a fragment peer's checkpoint (the fragments' states as on
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from hivemind.utils.serializer import MSGPackSerializer
+from serving_fake import FakeServing
 
 from p2p_diloco.config import OuterConfig
 from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX
@@ -21,36 +20,6 @@ from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.fragment_swarm import FragmentSwarm
 from p2p_diloco.swarm.records import fragment_records_id
 from p2p_diloco.swarm.state_server import StateServer
-
-
-class _Serving:
-    """An averager that serves (hivemind's side left out)."""
-
-    client_mode = False
-
-    def __init__(self) -> None:
-        self.cfg = type("Cfg", (), {"run_id": "run"})()
-        self.fingerprint = "fp"
-        self.state_sharing_priority = 0.0
-        self.provider: Any = None
-
-    def is_alive(self) -> bool:
-        return True
-
-    def downloading(self) -> bool:
-        return False
-
-    def manifests_served(self) -> int:
-        return 0
-
-    def bump_state_version(self) -> None:
-        pass
-
-    def mark_state_live(self, live: bool) -> None:
-        self.live = live
-
-    def set_state_provider(self, provider: Any) -> None:
-        self.provider = provider
 
 
 def test_each_fragment_has_its_own_records_namespace_per_layout() -> None:
@@ -73,7 +42,7 @@ def test_each_fragment_has_its_own_records_namespace_per_layout() -> None:
 
 
 def test_each_fragment_is_served_under_its_own_selector_and_withdrawn_alone() -> None:
-    averager = _Serving()
+    averager = FakeServing()
     server = StateServer(averager)  # type: ignore[arg-type]
     first = ([torch.arange(6, dtype=torch.float32)], [torch.zeros(6)])
     second = ([torch.ones(3, 2), torch.full((4,), 2.0)], [torch.zeros(3, 2), torch.zeros(4)])

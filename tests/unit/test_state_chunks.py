@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from hivemind.utils.serializer import MSGPackSerializer
+from serving_fake import FakeServing
 
 from p2p_diloco.core.chunks import (
     CHUNK_BYTES,
@@ -442,41 +443,10 @@ def test_one_silent_donor_holds_a_manifest_fetch_only_a_grace_after_the_others_a
     assert answers["silent"].startswith("no manifest") and answers["empty"].startswith("no manifest")
 
 
-class _Serving:
-    """An averager that serves (hivemind's side left out): counts manifests handed out."""
-
-    client_mode = False
-
-    def __init__(self) -> None:
-        self.cfg = type("Cfg", (), {"run_id": "run"})()
-        self.fingerprint = "fp"
-        self.state_sharing_priority = 0.0
-        self.served, self.bumps = 0, 0
-        self.provider: Any = None
-
-    def is_alive(self) -> bool:
-        return True
-
-    def downloading(self) -> bool:
-        return False
-
-    def manifests_served(self) -> int:
-        return self.served
-
-    def bump_state_version(self) -> None:
-        self.bumps += 1
-
-    def mark_state_live(self, live: bool) -> None:
-        self.live = live
-
-    def set_state_provider(self, provider: Any) -> None:
-        self.provider = provider
-
-
 def test_a_round_update_a_joiner_asked_for_is_copied_and_served_until_the_outer_step() -> None:
     from p2p_diloco.swarm.state_server import ServedUpdate
 
-    averager = _Serving()
+    averager = FakeServing()
     server = StateServer(averager)  # type: ignore[arg-type]
     params, momentum = [torch.arange(6, dtype=torch.float32)], [torch.zeros(6)]
     mean = [torch.full((6,), 0.5)]  # the averager's buffer: the next round's pseudo-gradient overwrites it
