@@ -116,7 +116,12 @@ F = 2 and 5.73 s at F = 4, so utilization fell (46.6%, 41.6%, 35.3%; 40 tiny ste
 setting here is bound by the network). So in the swarm today fragments trade compute for a smaller burst:
 use them where the burst itself is the problem (a router or uplink that drops or stalls under a long
 saturating transfer, other traffic that must get through), not to train faster. Overlapping each fragment's
-all-reduce with the next τ steps, which hides that cost, runs in the simulator only so far."""
+all-reduce with the next τ steps, which hides that cost, runs in the simulator only so far.
+
+Caveat: found afterwards, two stray processes (training peers a failed test set-up had left running; the
+suite now reaps them at the end of every run) used about one of the machine's 2 cores throughout this run.
+The bytes are unaffected; the seconds and utilizations are a loaded machine's, and are to be measured again
+on an idle one."""
 
 
 def main(argv: list[str] | None = None) -> int:

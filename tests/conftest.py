@@ -50,20 +50,37 @@ def reap_children():
     me = psutil.Process()
     keep = {me.pid} | {p.pid for p in me.parents()} | {p.pid for p in me.children(recursive=True)}
     yield
-    leftovers = _tagged(keep)
-    for proc in leftovers:
+    _stop(_tagged(keep))
+    _fresh_mpfuture_locks(me)
+
+
+def _stop(procs: list[psutil.Process]) -> None:
+    """SIGTERM, 5 s, then SIGKILL."""
+    for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(leftovers, timeout=5)
+    _, alive = psutil.wait_procs(procs, timeout=5)
     for proc in alive:
         try:
             proc.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
-    _fresh_mpfuture_locks(me)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Reap, once more at the end, every process this run started that is still running.
+
+    ``reap_children`` runs around a test; a module-scoped fixture whose set-up failed never reached its test,
+    so the processes it started outlived the run: a timed-out CLI-errors driver left a training peer behind
+    that used a core for over an hour, through later test runs and benchmarks. The xdist controller is left
+    out: its workers carry its tag, and each worker reaps its own here."""
+    if getattr(session.config, "workerinput", None) is None and getattr(session.config.option, "numprocesses", None):
+        return
+    me = psutil.Process()
+    _stop(_tagged({me.pid} | {p.pid for p in me.parents()}))
 
 
 def _fresh_mpfuture_locks(me: psutil.Process) -> None:

@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-MAX_SLOTS = 64
-"""Stores waiting at most (one per slot: the progress record, a checksum per epoch)."""
+MAX_SLOTS = 256
+"""Stores waiting at most (one per slot: the progress record, a checksum per epoch; with F fragments, F + 1
+progress records and a checksum per fragment round: at the largest F, 64, about 130)."""
 
 
 class DhtWriter:
