@@ -110,7 +110,7 @@ class InnerConfig:
 
     total_steps: int = 0
     """Inner steps over which the learning rate decays by cosine to min_lr_ratio x lr. 0: derive from
-    max_rounds x local_steps when max_rounds is set, else keep the peak after warmup."""
+    max_rounds x local_steps (/ fragments) when max_rounds is set, else keep the peak after warmup."""
 
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
@@ -391,7 +391,9 @@ class RunConfig:
     """Seed for model initialisation (shared by the run) and local data order (mixed with the peer id)."""
 
     max_rounds: int = 0
-    """Stop after this many outer rounds; 0 runs until interrupted."""
+    """Stop after this many rounds; 0 runs until interrupted. With ``--fragments F`` every fragment's round
+    counts (F rounds per H inner steps), as it does for ``eval_every`` and ``checkpoint_every``: set F times
+    the number of outer rounds you want."""
 
     checkpoint_dir: str | None = None
     """Folder for checkpoints (safetensors + JSON manifest). Default: no checkpoints."""
@@ -464,7 +466,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.inner.total_steps == 0 and self.run.max_rounds:
-            self.inner.total_steps = self.run.max_rounds * self.outer.local_steps
+            # a round is H steps, or H / F with fragments (each fragment round is one round: RunConfig.max_rounds)
+            self.inner.total_steps = max(1, self.run.max_rounds * self.outer.local_steps // self.outer.fragments)
         if self.run.eval_every is None:
             self.run.eval_every = default_eval_every(self.outer.local_steps, self.data.eval_batches)
 

@@ -190,7 +190,12 @@ class SwarmSession:
         return thread
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`'s output (before :meth:`start`); ``ValueError`` names what is wrong."""
+        """Resume from :meth:`state_dict`'s output (before :meth:`start`); ``ValueError`` names what is wrong (a
+        checkpoint written with ``--fragments``: its epoch is a sum of fragments' epochs, its parameters were at
+        different epochs per fragment)."""
+        if state.get("fragment_epochs") is not None:
+            raise ValueError("the checkpoint was written by a peer with --fragments above 1; resume with that "
+                             "value, or start from another --checkpoint-dir")
         counters = self._resume_counters(state)
         self.state.load_state_tensors(state["outer"], state["epoch"])
         self.state.begin(self.params)

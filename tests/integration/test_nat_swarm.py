@@ -159,11 +159,13 @@ def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Pat
         relay_received, relay_sent = bed.link_bytes(0)
     # it downloaded the others' state through the relay: at start (it came up after they stepped on) or after
     # its slow first round (a first download may fail when its donors step on meanwhile)
+    # the relay first: with libp2p's default one answering every relayed round resets, and nothing below holds
+    assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
     slow = rounds["peer3"]
     starts = read_records(tmp_path / "peer3.jsonl", "start")
     assert (starts and starts[0]["how"].startswith("joined")) or any(r["outcome"] == "resynced" for r in slow), (
-        starts[:1], [(r["outcome"], r["reason"]) for r in slow])
-    assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
+        [s["how"] for s in starts], {n: [(r["epoch"], r["outcome"], r["group_size"], (r["reason"] or "")[:160]) for r in rows]
+                                     for n, rows in rounds.items()})
     _assert_averaged_together(codes, rounds, tmp_path)
     # Every all-reduce byte went through the bootstrap node: it received and sent at least what the peers sent.
     payload = _payload_sent(rounds)

@@ -32,6 +32,13 @@ def test_defaults_and_flags_map_onto_fields() -> None:
         OuterConfig(credit_undelivered="false")  # type: ignore[arg-type]  # a string would be truthy
 
 
+def test_the_learning_rate_decays_over_the_rounds_the_run_will_train() -> None:
+    """--max-rounds R: R rounds of H steps, or R fragment rounds of H / F steps with --fragments F."""
+    assert _build(["--max-rounds", "10", "--local-steps", "20"]).inner.total_steps == 200
+    assert _build(["--max-rounds", "10", "--local-steps", "20", "--fragments", "4"]).inner.total_steps == 50
+    assert _build(["--max-rounds", "10", "--local-steps", "20", "--total-steps", "7"]).inner.total_steps == 7
+
+
 def test_precedence_file_then_env_then_flags(tmp_path) -> None:
     toml = tmp_path / "peer.toml"
     toml.write_text('[inner]\nlr = 0.003\nbatch_size = 4\n[model]\nseq_len = 32\n')

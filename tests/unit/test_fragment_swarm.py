@@ -12,6 +12,7 @@ from p2p_diloco.config import OuterConfig
 from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX
 from p2p_diloco.core.peer_state import ANCHOR_KEY_PREFIX, OuterState
 from p2p_diloco.peer.config import PeerConfig
+from p2p_diloco.peer.session import SwarmSession
 from p2p_diloco.peer.streaming_session import StreamingSession, merge_fragment_tensors, split_fragment_tensors
 from p2p_diloco.swarm.buffer_layout import BufferLayout
 from p2p_diloco.swarm.chunk_transfer import _ANY, _Served, fragment_selector
@@ -103,6 +104,12 @@ def test_a_streaming_session_saves_and_resumes_every_fragment_at_its_own_epoch()
     # a whole-model checkpoint (no fragment epochs) is refused, naming why
     with pytest.raises(ValueError, match="another --fragments"):
         other.load_state_dict({"epoch": 7, "outer": saved["outer"]})
+    # and the reverse: a session without fragments refuses a fragments checkpoint (its epoch is their sum)
+    plain = SwarmSession(PeerConfig(outer=OuterConfig(local_steps=10), swarm=SwarmConfig.for_loopback()),
+                         [torch.zeros_like(p) for p in params], "ab" * 8)
+    with pytest.raises(ValueError, match="--fragments above 1"):
+        plain.load_state_dict(saved)
+    assert plain.epoch == 0
     with pytest.raises(ValueError, match="fragment-delay 0"):
         StreamingSession(PeerConfig(outer=OuterConfig(fragments=2, local_steps=10, fragment_delay=2),
                                     swarm=SwarmConfig.for_loopback()), params, "ab" * 8, names=names)
