@@ -276,6 +276,8 @@ class RoundAverager(DecentralizedAverager):
 
     def mark_state_live(self, live: bool) -> None:
         """The host published a state (True) or withdrew it to change it (False)."""
+        if live:
+            self.counters.bump_published()
         self.counters.live.value = live
 
     def bump_state_version(self) -> None:

@@ -137,6 +137,11 @@ class ServingCounters:
         self.last_served = mp.Value(ctypes.c_double, 0.0)
         """Wall time the last manifest or state chunk was served: a joiner between two requests is still
         downloading."""
+        self.published = mp.Value(ctypes.c_int64, 0)
+        """Bumped by the host each time it publishes a state: the averager process fetches what it serves again
+        (its cache is of an older publication), without cutting the streams under way as a version change
+        does. Why: with fragments, one fragment is published beside the others, and a request served between
+        its withdrawal and its publication cached the others alone, hiding it until every stream closed."""
         self.live = mp.Value(ctypes.c_bool, False)
         """The host serves a state now (published and not withdrawn): a manifest request that finds it
         withdrawn waits for the next one (``chunk_transfer.REPUBLISH_WAIT_S``)."""
@@ -144,6 +149,10 @@ class ServingCounters:
     def bump_version(self) -> None:
         with self.version.get_lock():
             self.version.value += 1
+
+    def bump_published(self) -> None:
+        with self.published.get_lock():
+            self.published.value += 1
 
     def downloading(self) -> bool:
         """A joiner is downloading our state: a stream is open, or a manifest or chunk was served moments ago
@@ -163,6 +172,8 @@ class _Served:
     update's."""
     objects: dict[str, tuple[list[np.ndarray], ChunkMap]]
     """Digest -> byte views of its tensors and their chunks."""
+    published: int = 0
+    """``ServingCounters.published`` when it was fetched."""
 
     @classmethod
     def of(cls, version: int, metadata: dict, tensors: Sequence[torch.Tensor]) -> _Served:
@@ -214,7 +225,8 @@ class ChunkServer:
 
     async def _served(self, version: int) -> _Served | None:
         cache = self._cache
-        if cache is not None and cache.version == version:
+        published = self.counters.published.value  # read before the fetch: a publication after it refetches
+        if cache is not None and cache.version == version and cache.published == published:
             return cache
         self._cache = None
         if not self._sharing():
@@ -229,6 +241,7 @@ class ChunkServer:
             logger.debug("No state to serve: the state changed while it was fetched from the training process")
             return None
         cache = self._cache = _Served.of(version, MSGPackSerializer.loads(metadata), tensors)
+        cache.published = published
         return cache
 
     async def _until_republished(self) -> None:

@@ -66,6 +66,43 @@ def test_each_fragment_is_served_under_its_own_selector_and_withdrawn_alone() ->
     assert len({fragment_selector(f) for f in range(64)} | {_ANY}) == 65
 
 
+def test_a_fragment_published_while_another_download_runs_is_served_at_once() -> None:
+    """The averager process caches what it serves while streams are open; a fragment published after a request
+    cached the others alone must not stay hidden until every stream closed (a joiner would drop this donor)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.swarm.averager import RoundAverager
+    from p2p_diloco.swarm.chunk_transfer import MANIFEST, ChunkServer, ServingCounters, encode_request
+
+    host = FakeServing()
+    server = StateServer(host)  # type: ignore[arg-type]
+    counters = ServingCounters()
+    published = SimpleNamespace(counters=counters)
+
+    async def host_state() -> tuple[bytes, list[torch.Tensor], None]:
+        meta, tensors = host.provider()
+        return MSGPackSerializer.dumps(meta), tensors, None
+
+    chunks = ChunkServer(counters, host_state, lambda: True, lambda _: None)
+
+    async def manifest(fragment: int) -> list:
+        request = averaging_pb2.DownloadData(metadata=encode_request(fragment_selector(fragment), MANIFEST))
+        return [reply async for reply in chunks.serve(request)]
+
+    server.publish([torch.ones(4)], [torch.zeros(4)], 1, fragment=0, records_id="run_f0")
+    RoundAverager.mark_state_live(published, True)  # type: ignore[arg-type]  # what set_state_provider does
+    with counters.streams_open.get_lock():
+        counters.streams_open.value += 1  # a download of fragment 0 in flight keeps the cache
+    assert asyncio.run(manifest(1)) == [] and len(asyncio.run(manifest(0))) == 1  # fragment 1 not served yet
+    server.publish([torch.ones(2)], [torch.zeros(2)], 1, fragment=1, records_id="run_f1")
+    RoundAverager.mark_state_live(published, True)  # type: ignore[arg-type]
+    replies = asyncio.run(manifest(1))
+    assert len(replies) == 1 and MSGPackSerializer.loads(replies[0].metadata)["run"] == "run_f1"
+
+
 def test_a_fragment_peers_checkpoint_is_one_models_state_and_loads_back_per_fragment() -> None:
     groups = [[0, 2], [1]]
     params = [torch.randn(4), torch.randn(2, 3), torch.randn(5)]
