@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from p2p_diloco.core.dylu import late_start_steps
 from p2p_diloco.core.evidence import Evidence
 from p2p_diloco.core.fragments import FragmentSchedule, StreamingRounds, assign_fragments
 from p2p_diloco.core.outer import MOMENTUM_KEY_PREFIX
@@ -244,14 +245,25 @@ class StreamingSession(SwarmSession):
         self._event = self.schedule.next_event(self.position)
         logical = self._event - self.position
         steps = self.dylu.local_steps(self.my_speed)
-        self.planned_steps = max(1, round(logical * steps / self.cfg.outer.local_steps))
+        h = self.cfg.outer.local_steps
+        self.planned_steps = max(1, round(logical * steps / h))
+        # a fragment caught up (at start or in a round) started after the swarm's phase began: as
+        # SwarmSession.local_steps, plan fewer steps so as to arrive with the others (each fragment's records
+        # carry the same phase time, the one of the phase up to the next fragment's sync)
+        late_s = max(port.sync.late_start_s for port in self.ports)
+        for port in self.ports:
+            port.sync.late_start_s = 0.0
+        if late_s > 0:
+            floor = min(self.planned_steps, max(1, round(logical * self.cfg.outer.min_local_steps / h)))
+            planned = late_start_steps(self.planned_steps, late_s, self.my_speed or self.dylu.fastest(None), floor)
+            logger.info("Started %.1f s after the swarm (state download): %d inner steps instead of %d", late_s,
+                        planned, self.planned_steps)
+            self.planned_steps = planned
         return self.planned_steps
 
     def begin_round(self) -> None:
         """Start an inner phase: the parameters train on (each fragment's round resets only its own)."""
         self.swarm.check_alive()
-        if self._event <= self.position:
-            self._event = self.schedule.next_event(self.position)
         self.faults.set_epoch(self.epoch)
         self._phase_began = time.monotonic()
         self._notify("status", "training", self.epoch)

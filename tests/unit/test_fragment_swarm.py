@@ -103,6 +103,21 @@ def test_a_fragment_published_while_another_download_runs_is_served_at_once() ->
     assert len(replies) == 1 and MSGPackSerializer.loads(replies[0].metadata)["run"] == "run_f1"
 
 
+def test_a_fragment_caught_up_late_shortens_the_phase_once() -> None:
+    """A joiner whose fragment download ended 3 s into the swarm's phase (5 steps to the next fragment's sync
+    at 1 step/s) plans fewer steps to arrive with the others, floored at min_local_steps scaled to the phase."""
+    cfg = PeerConfig(outer=OuterConfig(fragments=2, local_steps=10, min_local_steps=4),
+                     swarm=SwarmConfig.for_loopback())
+    params = [torch.randn(4, 4), torch.randn(4, 4)]
+    session = StreamingSession(cfg, params, "ab" * 8, names=["layers.0.w", "layers.1.w"])
+    session.my_speed = 1.0
+    assert session.local_steps() == 5  # H / F
+    session.ports[1].sync.late_start_s = 3.0
+    assert session.local_steps() == 2  # (5 - 3 s x 1 step/s) / 2 = 1, floored at 4 x 5 / 10
+    assert all(port.sync.late_start_s == 0.0 for port in session.ports)
+    assert session.local_steps() == 5
+
+
 def test_a_fragment_peers_checkpoint_is_one_models_state_and_loads_back_per_fragment() -> None:
     groups = [[0, 2], [1]]
     params = [torch.randn(4), torch.randn(2, 3), torch.randn(5)]
