@@ -59,6 +59,7 @@ from p2p_diloco.peer.report import SessionListener
 from p2p_diloco.swarm.config import read_allowed_peers
 from p2p_diloco.swarm.facade import Swarm
 from p2p_diloco.swarm.hivemind_codecs import wire_compression
+from p2p_diloco.swarm.partial import drop_unused
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class SwarmSession:
                       self.faults.swarm_hook(), fragments=fragments)
         if cfg.run.checkpoint_dir:  # a state download cut by a restart resumes from its verified chunks
             swarm.partial_dir = Path(cfg.run.checkpoint_dir).expanduser() / "state-partial"
+            drop_unused(swarm.partial_dir, len(fragments) if fragments else 1)
         return swarm
 
     def _notify(self, method: str, *args: Any) -> None:

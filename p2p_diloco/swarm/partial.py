@@ -9,7 +9,8 @@ wrong state. No fsync per chunk: a chunk lost in a crash is just fetched again.
 
 Bounded: one partial at most, the state the peer wants now (at most one state's size on disk). Opening the
 store for a digest deletes every other partial (a stale state is never wanted again: the swarm moved on), and
-a completed download deletes its own.
+a completed download deletes its own. With fragments, each fragment's partial lies in ``fragment-<f>/``, and
+:func:`drop_unused` deletes at start those this peer's layout cannot use (another ``--fragments`` before).
 """
 
 from __future__ import annotations
@@ -27,6 +28,38 @@ from p2p_diloco.core.chunks import DIGEST_BYTES, ChunkMap
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[0-9a-f]{64}\.(part|done)")
+_FRAGMENT_DIR = re.compile(r"fragment-(\d{1,4})")
+
+
+def drop_unused(directory: Path, fragments: int) -> None:
+    """Delete the partial downloads under ``directory`` that a peer with ``fragments`` fragments never resumes:
+    the whole model's when it has fragments, and every ``fragment-<f>/`` with f at or above ``fragments``
+    (all of them without fragments). Only files named as partials are deleted; best effort."""
+    try:
+        _drop_unused(directory, fragments)
+    except OSError as e:
+        logger.warning("Could not clear unused partial state downloads in %s: %s", directory, e)
+
+
+def _drop_unused(directory: Path, fragments: int) -> None:
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        found = _FRAGMENT_DIR.fullmatch(path.name)
+        if found and path.is_dir() and int(found.group(1)) >= (fragments if fragments > 1 else 0):
+            for inner in path.iterdir():
+                if _NAME.fullmatch(inner.name):
+                    logger.info("Deleting a partial state download of fragment %s (this peer has %d fragments)",
+                                found.group(1), fragments)
+                    inner.unlink(missing_ok=True)
+            try:
+                path.rmdir()
+            except OSError:  # something else in it: left alone
+                logger.debug("Kept %s: it holds other files", path)
+        elif fragments > 1 and _NAME.fullmatch(path.name):
+            logger.info("Deleting a partial state download of the whole model (this peer has %d fragments)",
+                        fragments)
+            path.unlink(missing_ok=True)
 
 
 class PartialStore:

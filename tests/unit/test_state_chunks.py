@@ -476,3 +476,25 @@ def test_a_round_update_a_joiner_asked_for_is_copied_and_served_until_the_outer_
         averager.provider()
     server.publish(params, momentum, 4, update=ServedUpdate("b" * 64, mean, None))
     assert averager.provider()[0]["u"]["base"] == "b" * 64
+
+
+def test_partials_a_layout_cannot_use_are_deleted_at_start(tmp_path) -> None:
+    """A peer that ran with --fragments 4 and now runs with 2 (or none) keeps no partial download it cannot
+    resume: fragments 2 and 3's (all four without fragments), and the whole model's when it has fragments."""
+    from p2p_diloco.swarm.partial import drop_unused
+
+    def lay_out() -> None:
+        (tmp_path / f"{'a' * 64}.part").write_bytes(b"x")
+        for f in range(4):
+            (tmp_path / f"fragment-{f}").mkdir(exist_ok=True)
+            (tmp_path / f"fragment-{f}" / f"{'b' * 64}.done").write_bytes(b"x")
+        (tmp_path / "notes.txt").write_text("mine")
+
+    lay_out()
+    drop_unused(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fragment-0", "fragment-1", "notes.txt"]
+    assert (tmp_path / "fragment-1" / f"{'b' * 64}.done").exists()
+    lay_out()
+    drop_unused(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{'a' * 64}.part", "notes.txt"]
+    drop_unused(tmp_path / "absent", 2)  # nothing there: nothing to do
