@@ -2,7 +2,7 @@
 utilization, at a fixed link rate.
 
     sudo .venv/bin/python -m benchmarks.streaming_swarm              # F = 1, 2, 4; writes the JSON and BENCHMARKS.md
-    .venv/bin/python -m benchmarks.streaming_swarm --report-only     # table from results/streaming_swarm.json
+    .venv/bin/python -m benchmarks.streaming_swarm --report-only     # table and plot from results/streaming_swarm.json
 
 Each case starts a bootstrap and 4 ``run_peer`` processes in network namespaces whose links are limited to
 ``--rate`` Mbit/s each way (``benchmarks/testbed.py``: veth pairs and ``tc tbf``), the tiny preset, fp32,
@@ -84,7 +84,8 @@ def report(data: dict[str, Any]) -> list[str]:
     lines = [f"Swarm (`benchmarks/streaming_swarm.py`): {PEERS} `run_peer` processes on the namespace testbed, "
              f"{data['rate_mbit']:g} Mbit/s per link each way, tiny preset (837k parameters, fp32), H = "
              f"{data['local_steps']}, {data['rounds']} whole rounds of inner steps per peer (R·F fragment rounds); "
-             f"rounds of all {PEERS} after the first F. Run of {data['when']}.", "",
+             f"rounds of all {PEERS} after the first F. Run of {data['when']}. Plot: "
+             "`benchmarks/results/streaming_swarm.png`.", "",
              "| setting | rounds of all 4 (of R·F per peer) | bytes sent per round per peer | all-reduce s per round | "
              "rate while sending (Mbit/s) | mean bytes/s per peer | training blocked per H steps (s) | "
              "compute utilization |",
@@ -106,22 +107,49 @@ def report(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-READING = """Reading it (the run of 2026-11-28 04:01 UTC). Each fragment round sends its fragment's share: 1/2 and
-1/4 of DiLoCo's bytes per round at F = 2 and 4; every setting sent 19.5-21.0 MB per peer over its run. That burst is what Streaming DiLoCo shrinks. On this fixed link the rate while
-sending is capped by the link whatever F is, and it fell with F (13.3, 11.8, 9.2 Mbit/s): a shorter all-reduce
-spends a larger share of its time setting up. With τ = 0 each fragment round blocks training like a whole
-round, and what a round costs besides its bytes (matchmaking, the group's set-up and completion check: about
-0.3 s a round here) is paid F times per H steps: training was blocked 3.35 s per 40 steps with DiLoCo, 4.08 s at
-F = 2 and 5.73 s at F = 4, so utilization fell (46.6%, 41.6%, 35.3%; 40 tiny steps take about 3 s, so every
-setting here is bound by the network). So in the swarm today fragments trade compute for a smaller burst:
-use them where the burst itself is the problem (a router or uplink that drops or stalls under a long
-saturating transfer, other traffic that must get through), not to train faster. Overlapping each fragment's
-all-reduce with the next τ steps, which hides that cost, runs in the simulator only so far.
+READING = """Reading it (the run of 2026-11-28 08:31 UTC, on an otherwise idle machine). Each fragment round sends
+its fragment's share: 1/2 and 1/4 of DiLoCo's bytes per round at F = 2 and 4, and every setting sent 14.8-15.5 MB
+per peer over the rounds counted. That burst is what Streaming DiLoCo shrinks. On this fixed link the rate
+while sending is capped by the link whatever F is, and it fell with F (13.9, 11.7, 9.4 Mbit/s): a shorter
+all-reduce spends a larger share of its time setting up. With τ = 0 each fragment round blocks training like a
+whole round, and what a round costs besides its bytes (matchmaking, the group's set-up and completion check)
+is paid F times per H steps: training was blocked 3.26 s per 40 steps with DiLoCo, 5.16 s at F = 2 and 5.80 s
+at F = 4, so utilization fell (47.9%, 42.4%, 40.1%; 40 tiny steps take about 3 s, so every setting here is
+bound by the network). So in the swarm today fragments trade compute for a smaller burst: use them where the
+burst itself is the problem (a router or uplink that drops or stalls under a long saturating transfer, other
+traffic that must get through), not to train faster. Overlapping each fragment's all-reduce with the next τ
+steps, which hides that cost, runs in the simulator only so far. An earlier run (04:01 UTC, with two stray
+processes using about one core) measured 3.35, 4.08 and 5.73 s blocked: the ordering holds, the F = 2 figure
+moves by a second between runs."""
 
-Caveat: found afterwards, two stray processes (training peers a failed test set-up had left running; the
-suite now reaps them at the end of every run) used about one of the machine's 2 cores throughout this run.
-The bytes are unaffected; the seconds and utilizations are a loaded machine's, and are to be measured again
-on an idle one."""
+
+PLOT = ROOT / "benchmarks" / "results" / "streaming_swarm.png"
+
+
+def plot(data: dict[str, Any]) -> None:
+    """Per setting: bytes a peer sends per round (the burst) and training blocked per H steps, medians."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, burst, blocked = [], [], []
+    for case in data["cases"]:
+        peers = case["peers"]
+        names.append("DiLoCo" if case["fragments"] == 1 else f"F={case['fragments']}, τ=0")
+        burst.append(_median([b for p in peers for b in p["bytes_per_round"]]) / 1e6)
+        blocked.append(_median([b for p in peers for b in p.get("blocked_s", [])]) * case["fragments"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.bar(names, burst, color="tab:blue")
+    left.set_ylabel("MB sent per round per peer")
+    left.set_title("burst")
+    right.bar(names, blocked, color="tab:red")
+    right.set_ylabel(f"s blocked per H = {data['local_steps']} steps")
+    right.set_title("training blocked")
+    fig.suptitle(f"{PEERS} peers, {data['rate_mbit']:g} Mbit/s links, tiny preset ({data['when']})")
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         STORE.write_text(json.dumps(data, indent=1))
     data = json.loads(STORE.read_text())
     lines = report(data)
+    plot(data)
     replace_section(ROOT / "BENCHMARKS.md", "streaming-swarm", "\n".join(lines))
     print("\n".join(lines))
     return 0

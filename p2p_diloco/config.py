@@ -469,7 +469,9 @@ class TrainConfig:
             # a round is H steps, or H / F with fragments (each fragment round is one round: RunConfig.max_rounds)
             self.inner.total_steps = max(1, self.run.max_rounds * self.outer.local_steps // self.outer.fragments)
         if self.run.eval_every is None:
-            self.run.eval_every = default_eval_every(self.outer.local_steps, self.data.eval_batches)
+            # a round is H / F steps with fragments: the cadence keeps the cost share the same
+            self.run.eval_every = default_eval_every(max(1, self.outer.local_steps // self.outer.fragments),
+                                                     self.data.eval_batches)
 
 
 EVAL_SHARE = 0.03

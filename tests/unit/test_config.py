@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from p2p_diloco.cli.common import make_parser
-from p2p_diloco.config import TrainConfig
+from p2p_diloco.config import TrainConfig, default_eval_every
 from p2p_diloco.config_loader import ConfigError, build, field_docstrings
 
 
@@ -37,6 +37,9 @@ def test_the_learning_rate_decays_over_the_rounds_the_run_will_train() -> None:
     assert _build(["--max-rounds", "10", "--local-steps", "20"]).inner.total_steps == 200
     assert _build(["--max-rounds", "10", "--local-steps", "20", "--fragments", "4"]).inner.total_steps == 50
     assert _build(["--max-rounds", "10", "--local-steps", "20", "--total-steps", "7"]).inner.total_steps == 7
+    # the default evaluation cadence keeps its cost share: F times as many (shorter) rounds between evaluations
+    plain = _build(["--local-steps", "20"]).run.eval_every
+    assert _build(["--local-steps", "20", "--fragments", "4"]).run.eval_every == default_eval_every(5, 8) > plain
 
 
 def test_precedence_file_then_env_then_flags(tmp_path) -> None:
