@@ -322,10 +322,11 @@ def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 60.0) ->
 
 RELAY_READY_S = 300.0
 """How long a bootstrap that relays may take to print its address. It checks its own relay at start and restarts
-its p2p daemon while libp2p's default relay answers (``swarm.relay_check.start_relay_dht``: up to 32 starts, each
-a fresh draw lost about 29 times in 40 on this testbed, a check up to 10 s). 60 s covered about 12 starts: a
+its p2p daemon while libp2p's default relay answers (``swarm.relay_check.start_relay_dht``: up to 32 starts, a
+check up to 10 s each). Before the relay host's daemon ran with one goroutine thread (``relay_check.
+one_go_thread``) each start was a draw lost about 29 times in 40 on this testbed: 60 s covered about 12 starts, a
 CI rehearsal's client-mode test lost 12 draws in a row (03:12:43-03:13:31, 2026-11-27) and never started its
-peers. 300 s covers the 32."""
+peers, and CI itself once lost all 32. 300 s covers the 32."""
 
 
 def start_swarm(bed: Testbed, out: Path, peers: int, peer_args: Sequence[str],

@@ -53,11 +53,12 @@ class BootstrapConfig:
     """With ``use_relay``: how many times to start the p2p daemon until a check at start finds the right relay
     answering (``swarm.relay_check``). The daemon runs two relays on one protocol and which one answers is
     decided by a race at its start; with libp2p's default one, every relayed stream resets after 128 KiB and
-    volunteers behind NAT never average. Each check costs about 1 s (10 s when the stream stalls). Measured:
-    on loopback 5 of 16 fresh daemons lost the race; on the home-network testbed about 29 of 40 did, so 8
-    starts (the earlier default) left a bad relay in about 1 node start in 14, seen once in CI. 32 leave about 1
-    in 30,000 at the testbed's rate (the node then logs an error and runs on). 0 skips the check (a node on a
-    private test network, where nobody relies on the relay)."""
+    volunteers behind NAT never average. Each check costs about 1 s (10 s when the stream stalls). The daemon
+    runs with one goroutine thread, which makes ours win most starts (``relay_check.one_go_thread``; measured
+    30 of 30 on an idle 2-core machine, 18 of 20 with three busy loops on it; with a thread per core the
+    default one won 10 of 10 there and 32 of 32 on the CI machine). 32 starts leave a bad relay about once in
+    10^30 node starts at the loaded rate (the node then logs an error and runs on). 0 skips the check (a node
+    on a private test network, where nobody relies on the relay)."""
 
     metrics_port: int | None = None
     """Serve swarm-level Prometheus metrics (peers online, global epoch, tokens/s, per-peer epoch lag, rounds)

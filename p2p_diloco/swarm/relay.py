@@ -21,8 +21,9 @@ defaults this never happened within a round, for three reasons found in a home-n
    force its reachability to public.
    The daemon registers that default relay too, on the same protocol, and which of the two answers is a race
    at the daemon's start (in 3 of 10 relayed test swarms the default one won and every relayed stream was
-   reset); no daemon flag reaches it, so a relay host checks its relay at start and restarts its daemon
-   until the configured one answers (``swarm.relay_check``).
+   reset); no daemon flag reaches it, so a relay host runs its daemon with one goroutine thread, which makes
+   the configured one win, checks its relay at start and restarts its daemon until the configured one
+   answers (``swarm.relay_check``).
 4. (Testbeds only.) A relay on a private address (10.0.0.0/8 ...) is never announced; real bootstrap nodes
    have public addresses.
 

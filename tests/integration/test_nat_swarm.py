@@ -55,7 +55,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
 # round up to 2 s late (round_wait.poll_interval); a relay check that gave up at the first refusal and left the
 # default relay in place (relay_check._start_daemon); and, probably behind the chase of its first failure, a
 # round the garbage collector destroyed, after which that peer never searched again (AveragerProcess.run_command).
-# With the last two fixed it runs in CI again.
+# With the last two fixed it runs in CI again. CI then failed it once more: the bootstrap lost the daemon's relay
+# race at all 32 starts (the draw leans to libp2p's default relay on a machine whose daemon runs goroutines on
+# several threads at once); the relay host's daemon now runs with one goroutine thread (relay_check.one_go_thread).
 
 # FAST timings without its loopback address (the testbed gives each peer its own), rounds of 10 steps
 assert FAST[0] == "--host-maddrs"

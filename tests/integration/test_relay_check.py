@@ -6,15 +6,19 @@ the only way to it is the circuit."""
 from __future__ import annotations
 
 import logging
+import os
 
+import psutil
 import pytest
 
 from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
 from p2p_diloco.swarm.relay_check import (
+    GO_THREADS_ENV,
     PAYLOAD_BYTES,
     RelayVerdict,
     check_relay,
     local_dial_address,
+    one_go_thread,
     start_relay_dht,
 )
 
@@ -36,6 +40,7 @@ def test_a_host_that_is_not_public_relays_only_with_the_default_limits_and_the_c
 def test_a_relay_host_starts_until_its_relay_carries_a_stream_past_the_default_limit(caplog) -> None:
     caplog.set_level(logging.INFO, logger="p2p_diloco.swarm.relay_check")
     cfg = SwarmConfig.for_loopback(use_relay=True, relay_service=True)
+    before = os.environ.get(GO_THREADS_ENV)
     dht, check = start_relay_dht(cfg, attempts=12)
     try:
         assert check is not None and check.verdict is RelayVerdict.PASSED, (check, caplog.text)
@@ -43,9 +48,26 @@ def test_a_relay_host_starts_until_its_relay_carries_a_stream_past_the_default_l
         # the relay that passed still passes: the winner of the daemon's race is fixed for its lifetime
         again = check_relay(local_dial_address(visible_maddrs(dht)), timeout_s=20)
         assert again.verdict is RelayVerdict.PASSED, again
+        # the relay's daemon runs with one goroutine thread (what makes our relay win the daemon's race), read
+        # from the running process; hivemind starts it with this process's environment, which is left as it was
+        daemons = [p for p in psutil.Process(dht.pid).children(recursive=True) if "p2pd" in p.name()]
+        assert daemons, psutil.Process(dht.pid).children(recursive=True)
+        assert all(p.environ().get(GO_THREADS_ENV) == "1" for p in daemons), [p.environ() for p in daemons]
+        assert os.environ.get(GO_THREADS_ENV) == before
     finally:
         dht.shutdown()
     assert "Relay check passed after" in caplog.text
+
+
+def test_one_go_thread_restores_the_callers_setting(monkeypatch) -> None:
+    monkeypatch.setenv(GO_THREADS_ENV, "7")
+    with one_go_thread():
+        assert os.environ[GO_THREADS_ENV] == "1"
+    assert os.environ[GO_THREADS_ENV] == "7"
+    monkeypatch.delenv(GO_THREADS_ENV)
+    with pytest.raises(RuntimeError), one_go_thread():
+        raise RuntimeError("a daemon that did not start")
+    assert GO_THREADS_ENV not in os.environ
 
 
 def test_a_host_that_does_not_relay_is_not_checked() -> None:
