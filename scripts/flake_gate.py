@@ -3,6 +3,7 @@
 Usage (from the repository root, after ``bash scripts/setup.sh``)::
 
     .venv/bin/python scripts/flake_gate.py 5                    # every `slow` test, 5 times
+    .venv/bin/python scripts/flake_gate.py 5 --ci               # the `slow` tests CI runs (not `long`), 5 times
     .venv/bin/python scripts/flake_gate.py 5 tests/integration/test_red_team.py   # a selection, 5 times
     .venv/bin/python scripts/flake_gate.py 5 --workers 2        # two test files at a time (pytest-xdist)
 
@@ -24,10 +25,14 @@ import xml.etree.ElementTree as ElementTree  # our own pytest's report, written 
 from collections import defaultdict
 from pathlib import Path
 
+SLOW = "slow"
+CI_SLOW = "slow and not long"
+"""The marker expressions of the gate's two selections: every multi-process test, or those CI runs."""
 
-def run_once(selection: list[str], report: Path, workers: int = 1) -> int:
+
+def run_once(selection: list[str], report: Path, workers: int = 1, marks: str = SLOW) -> int:
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
-    args = [sys.executable, "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+    args = [sys.executable, "-m", "pytest", "-m", marks, "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
             *parallel, *selection]
     return subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
 
@@ -52,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("selection", nargs="*", default=["tests"], help="test paths (default: the whole suite's "
                         "`slow` tests)")
     parser.add_argument("--workers", type=int, default=1, help="test files run at a time (default 1, as CI)")
+    parser.add_argument("--ci", action="store_true", help="only the `slow` tests CI runs (leaves out `long`)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("runs must be at least 1")
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             began = time.monotonic()
-            code = run_once(args.selection, Path(tmp) / f"run{i}.xml", args.workers)
+            code = run_once(args.selection, Path(tmp) / f"run{i}.xml", args.workers, CI_SLOW if args.ci else SLOW)
             seen = outcomes(Path(tmp) / f"run{i}.xml")
             for name, failure in seen.items():
                 runs[name] += 1

@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
 # Set everything up, then run the test suite.
 #
-#   bash scripts/test.sh                 the whole suite, in two phases (what CI runs):
+#   bash scripts/test.sh                 the suite CI runs (about 10 minutes on 2 cores), in two phases:
 #     1. every test not marked `slow` on both cores (pytest-xdist, a file per worker): unit tests and
 #        single-process integration tests, whose outcome does not depend on the machine's load;
-#     2. the `slow` tests, one at a time: several real peers whose matchmaking windows, deadlines and record
-#        lifetimes decide what happens, so they get the machine to themselves.
+#     2. the `slow` tests not marked `long`, one at a time: a few real peers whose matchmaking windows,
+#        deadlines and record lifetimes decide what happens, so they get the machine to themselves. Each
+#        mechanism of a round with real processes once: rounds, faults, a joiner, Sybils, the simulator's twin.
+#   bash scripts/test.sh --long          the `long` tests, one at a time (about 40 minutes): whole scenarios, a
+#                                        minute or more each: home networks behind NAT (root), relays, attacks
+#                                        over many rounds, monitoring, fragments, codecs end to end. Run them (or
+#                                        the flake gate, which includes them) before a change to the swarm lands.
+#   bash scripts/test.sh --all           both of the above.
 #   bash scripts/test.sh PYTEST_ARGS...  plain pytest with those arguments (e.g. tests/unit -x).
 #
-# Extra pytest options for both phases of a whole run: P2P_DILOCO_PYTEST_OPTS (e.g. "-q --durations=15").
+# Extra pytest options for every phase of a whole run: P2P_DILOCO_PYTEST_OPTS (e.g. "-q --durations=15").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 py=.venv/bin/python
-if [ $# -gt 0 ]; then
+mode=ci
+case "${1:-}" in
+    --long) mode=long; shift ;;
+    --all) mode=all; shift ;;
+esac
+if [ "$mode" = ci ] && [ $# -gt 0 ]; then
     exec "$py" -m pytest "$@"
 fi
 read -r -a opts <<< "${P2P_DILOCO_PYTEST_OPTS:-}"
 status=0
 # exit code 5 is "no test collected" (a filtered-out phase), not a failure
-"$py" -m pytest -n 2 --dist loadfile -m "not slow" "${opts[@]}" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }
-"$py" -m pytest -m slow "${opts[@]}" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }
+run() { "$py" -m pytest "$@" "${opts[@]}" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }; }
+if [ "$mode" != long ]; then
+    run -n 2 --dist loadfile -m "not slow"
+    run -m "slow and not long"
+fi
+if [ "$mode" != ci ]; then
+    run -m "slow and long"
+fi
 exit "$status"

@@ -70,6 +70,14 @@ def _stop(procs: list[psutil.Process]) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``long`` test is a ``slow`` one (scripts/test.sh runs it one at a time, like the other slow ones): a test
+    marked long and not slow is refused, so that no selection runs a long scenario on both cores by mistake."""
+    wrong = [item.nodeid for item in items if item.get_closest_marker("long") and not item.get_closest_marker("slow")]
+    if wrong:
+        raise pytest.UsageError(f"tests marked long must be marked slow too: {', '.join(wrong)}")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Reap, once more at the end, every process this run started that is still running.
 

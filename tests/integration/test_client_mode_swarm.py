@@ -16,7 +16,7 @@ from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wai
 from p2p_diloco.swarm import SwarmConfig, fetch_progress, start_dht
 from p2p_diloco.swarm.protocol import averager_prefix
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 RUN = ["--run-id", "cm", "--local-steps", "10", "--min-local-steps", "10", "--target-group-size", "4",
        "--eval-every", "0"]

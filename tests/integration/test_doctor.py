@@ -33,6 +33,7 @@ def _line(out: str, start: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_doctor_checks_each_initial_peer_on_loopback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     boot, good = start_bootstrap(tmp_path)
     # a valid multiaddr (real peer id) of a port that is bound but not listening: nobody answers there

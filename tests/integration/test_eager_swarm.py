@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(420)]
 
 OUTER_LR = 0.7
 ROUNDS = 4

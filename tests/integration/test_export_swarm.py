@@ -52,6 +52,7 @@ def _own_eval(tmp: Path, epoch: int) -> tuple[float, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     tok = make_bpe_tokenizer(tmp_path / "tokenizer", corpus("train", 2000))

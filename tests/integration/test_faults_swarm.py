@@ -29,7 +29,7 @@ from swarm_procs import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BATCH = 4  # swarm_procs.FAST's --batch-size: a round's own weight is BATCH x inner steps
 

@@ -27,7 +27,7 @@ SCHEDULE = [(0, 0), (0, 1), (1, 0), (1, 1)]
 """(epoch, fragment) of each round, in order: the staggered rounds of a peer with F = 2."""
 RUNS = [("none", False), ("topk", True)]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def groups() -> list[list[int]]:

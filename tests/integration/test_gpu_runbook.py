@@ -47,6 +47,7 @@ def test_without_cuda_the_runbook_runs_its_dry_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_dry_run_starts_real_peers_for_memory_and_the_swarm(tmp_path: Path) -> None:
     done, data = _runbook(tmp_path, "--dry-run", "--sections", "memory,swarm", timeout=900)
     assert done.returncode == 0, json.dumps({k: data.get(k) for k in ("memory", "swarm")})[-4000:]

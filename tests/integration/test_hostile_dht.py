@@ -20,7 +20,7 @@ from swarm_procs import env, events, start_bootstrap, start_peer, tail, wait_all
 
 from p2p_diloco.swarm.signing import REJECTED_RECORD_KINDS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(240)]
 
 ROUNDS = 4
 VANDAL = Path(__file__).parents[1] / "swarm_helpers" / "dht_vandal.py"

@@ -40,6 +40,7 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
     dht.shutdown()
 
 
+@pytest.mark.long
 def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(swarm: Swarm) -> None:
     cfg = dict(run_id="hostile", min_group_size=5, target_group_size=8, matchmaking_time_s=4.0,
                matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,  # 6 processes
@@ -83,6 +84,7 @@ def test_nan_scaled_and_weight_lying_peers_are_rejected_and_honest_peers_agree(s
         assert results[name]["outcome"] == "averaged" and results[name]["fresh_sha"] in shas
 
 
+@pytest.mark.long
 def test_a_hostile_reducer_is_refused_by_every_member_and_banned(swarm: Swarm) -> None:
     # 1 KiB parts (256 values), so that each of the four members reduces a few parts
     cfg = dict(run_id="reducer", min_group_size=4, target_group_size=4, matchmaking_time_s=4.0,
@@ -106,6 +108,7 @@ def test_a_hostile_reducer_is_refused_by_every_member_and_banned(swarm: Swarm) -
     assert results["evil"]["outcome"] == "skipped"
 
 
+@pytest.mark.long
 def test_an_equivocating_reducer_is_caught_by_the_completion_check_and_named(swarm: Swarm) -> None:
     # evil sends one groupmate its first averaged part times 0.5 (within every bound) and the other the true
     # one; only comparing what each member received can tell

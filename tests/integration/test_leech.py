@@ -25,7 +25,7 @@ from swarm_procs import env, events, start_bootstrap, start_peer, tail, wait_all
 
 from p2p_diloco.core.chunks import SERVE_WAIT_SHARE
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(540)]
 
 LEECH = Path(__file__).parents[1] / "swarm_helpers" / "leech.py"
 NAMES = "abc"

@@ -27,6 +27,7 @@ RUN = "mon1"
 TEMPLATE_VARS = {"$__rate_interval": "30s", "$run_id": ".+", "$instance": ".+"}
 
 pytestmark = [
+    pytest.mark.long,
     pytest.mark.slow,
     pytest.mark.timeout(600),  # about 2 minutes; the deadlines below allow for a heavily loaded machine
     pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed (Debian package "

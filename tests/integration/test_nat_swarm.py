@@ -29,7 +29,7 @@ def _prefix(tag: str) -> str:
     return f"{tag}{os.getpid()}x"
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(missing_requirements(nat=True) is not None,
                                  reason=f"home-network testbed unavailable: {missing_requirements(nat=True)}")]
 

@@ -15,7 +15,7 @@ from swarm_procs import FAST, SYNCED, env, events, tail, wait_all, wait_for, wai
 
 NODE = ["--device", "cpu", "--node-timeout-s", "100", "--local-steps", "5", "--min-local-steps", "5",
         "--eval-every", "0"]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 RANK1 = re.compile(r"node rank 1: epoch (\d+) -> (\d+): (\w+), params sha256 ([0-9a-f]{64})")
 

@@ -23,6 +23,7 @@ from swarm_procs import FAST, check_rounds, events, tail, wait_for
 from benchmarks.testbed import Testbed, missing_requirements, start_swarm, wait_peers
 
 pytestmark = [
+    pytest.mark.long,
     pytest.mark.slow,
     pytest.mark.timeout(420),
     pytest.mark.skipif(missing_requirements() is not None, reason=f"testbed unavailable: {missing_requirements()}"),

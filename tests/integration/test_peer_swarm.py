@@ -144,6 +144,7 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
         assert start["epoch"] >= 2, start
 
 
+@pytest.mark.long
 def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     ckpt = tmp_path / "ckpt-b"
@@ -194,6 +195,7 @@ def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
     assert "resumed at epoch" in restart["how"] or restart["how"].startswith("joined")
 
 
+@pytest.mark.long
 def test_peer_bootstraps_from_a_plain_hivemind_dht_node(tmp_path: Path) -> None:
     out = open(tmp_path / "dht.out", "w")
     dht = subprocess.Popen([str(Path(sys.executable).parent / "hivemind-dht"), "--host_maddrs",
@@ -212,6 +214,7 @@ def test_peer_bootstraps_from_a_plain_hivemind_dht_node(tmp_path: Path) -> None:
     assert r["outcome"] == "averaged" and r["group_size"] == 1 and r["new_epoch"] == 1
 
 
+@pytest.mark.long
 def test_peer_of_another_model_is_refused(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     try:

@@ -27,7 +27,7 @@ from swarm_procs import SYNCED, env, events, start_bootstrap, start_peer, tail, 
 
 from p2p_diloco.core.rounds import Outcome
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(300)]
 
 POISONER = Path(__file__).parents[1] / "swarm_helpers" / "poisoner.py"
 NAMES = "abc"

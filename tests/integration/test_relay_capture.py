@@ -25,7 +25,7 @@ from swarm_procs import START_TOGETHER, env, events, start_bootstrap, start_peer
 
 from p2p_diloco.swarm.dht import ensure_identity
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RELAY = Path(__file__).parents[1] / "swarm_helpers" / "relay.py"
 NAMES = "abc"

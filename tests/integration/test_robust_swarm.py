@@ -21,7 +21,7 @@ from swarm_helpers.peer import pattern
 
 from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(240)]
 
 FINGERPRINT = "abcdef0123456789"
 SHAPES = [[6, 8], [10]]

@@ -20,7 +20,7 @@ from swarm_procs import FAST, env, events, start_bootstrap, start_peer, tail, wa
 
 from p2p_diloco.swarm.protocol import PROTOCOL_VERSION
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(240)]
 
 OLD_RELEASE = Path(__file__).parents[1] / "swarm_helpers" / "old_release.py"
 OLD, NEW = "ab", "cd"

@@ -93,6 +93,7 @@ def test_one_fault_schedule_gives_the_same_outcomes_and_parameters_in_simulator_
     _same_parameters(tmp_path, simulation)
 
 
+@pytest.mark.long
 def test_eager_rounds_give_the_same_outcomes_and_parameters_in_simulator_and_swarm(tmp_path: Path) -> None:
     simulation = _swarm_then_simulator(tmp_path, EAGER_TIMING, EAGER_FAULTS,
                                        {n: ["own_only", "averaged", "averaged", "averaged"] for n in "abc"}, [])

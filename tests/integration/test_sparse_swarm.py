@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from swarm_procs import START_TOGETHER, SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 SPARSE = ("--compression", "topk", "--error-feedback", "--error-feedback-decay", "0.95",
           "--topk-chunk-size", "1024", "--topk-k", "16", "--outer-lr", "1", "--outer-momentum", "0")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from swarm_procs import START_TOGETHER, events, start_bootstrap, start_peer, tail, wait_all
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(300)]
 
 NAMES = "abc"
 ROUNDS = 9

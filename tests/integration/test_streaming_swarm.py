@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from swarm_procs import START_TOGETHER, SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 FRAGMENTS = ("--fragments", "2")
 """tiny has 4 layers: 0 and 2 in fragment 0, 1 and 3 in fragment 1 (the embeddings and final norm go to the

@@ -200,6 +200,7 @@ def test_followers_outwait_a_leader_that_stalls_before_assembling(swarm: Swarm) 
     assert len({r["fresh_sha"] for r in results}) == 1
 
 
+@pytest.mark.long
 def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
     # four processes on two cores: followers wait 2 s for a busy leader's answer
     cfg = _cfg(min_group_size=2, target_group_size=3, matchmaking_time_s=3.0, matchmaking_timeout_s=20.0,
@@ -233,6 +234,7 @@ def test_mismatched_fingerprints_are_refused(swarm: Swarm) -> None:
     assert other_result["outcome"] == "skipped" and "no group" in other_result["reason"]
 
 
+@pytest.mark.long
 def test_state_download_rejects_bad_donors_and_uses_a_good_one(swarm: Swarm) -> None:
     """Bad manifests are refused before any chunk is fetched; the good digest is fetched from every donor
     serving it at once, and survives one of them dying mid-transfer and another sending chunks that fail

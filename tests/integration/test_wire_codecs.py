@@ -111,6 +111,7 @@ def _nan_once_rounds(spec: dict, dht: object, fresh: list[torch.Tensor]) -> list
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_every_codec_round_trips_through_a_real_two_peer_allreduce(tmp_path: Path) -> None:
     results = run_peer_programs(tmp_path, __file__, "wire")
     logs = [(tmp_path / f"p{i}.log").read_text(errors="replace")[-3000:] for i in range(2)]

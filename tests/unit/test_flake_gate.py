@@ -70,3 +70,13 @@ def test_workers_run_test_files_side_by_side_as_xdist_does(monkeypatch: pytest.M
     assert seen[0][-5:] == ["-n", "2", "--dist", "loadfile", "tests"] and "-n" not in seen[1]
     with pytest.raises(SystemExit):
         gate.main(["1", "--workers", "0"])
+
+
+def test_ci_selects_the_slow_tests_ci_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gate = _gate()
+    seen: list[list[str]] = []
+    monkeypatch.setattr(gate.subprocess, "run", lambda args, **_: seen.append(args) or type("R", (), {"returncode": 0}))
+    gate.main(["1", str(tmp_path), "--ci"])
+    gate.main(["1", str(tmp_path)])
+    marks = [args[args.index("pytest") + 2] for args in seen]  # python -m pytest -m MARKS
+    assert marks == ["slow and not long", "slow"], seen
