@@ -311,15 +311,17 @@ class OuterConfig:
     contiguous blocks); embeddings, final norm and head go to the lightest fragment, which keeps the largest
     fragment, and so the peak, near 1/F. F must be at most the model's layer count and at most H. Pick F so that
     a fragment's all-reduce fits in the link's budget (measurements: BENCHMARKS.md, "Streaming DiLoCo").
-    Simulator only for now: the swarm peer refuses F > 1."""
+    A node of several GPUs refuses F > 1 for now."""
 
     fragment_delay: int = 0
     """τ, inner steps a fragment's all-reduce overlaps: its pseudo-gradient is taken at its sync step and its
     outer result is merged τ steps later, while training goes on. 0 blocks (the all-reduce must finish at
     once); larger τ spreads a fragment's bytes over τ steps, lowering the peak further, at the price of τ steps
     of local work the merge partly overwrites (see ``fragment_alpha``). At most H / F, so a fragment's all-reduce
-    ends before the next fragment's starts (one fragment in flight at a time). Measured (tiny preset, 4 workers,
-    H = 12, F = 4, 3 seeds, fp32): τ = 2 halved the peak again (0.14x DiLoCo's) and cost 0.5% of eval loss."""
+    ends before the next fragment's starts (one fragment in flight at a time). A swarm peer runs the all-reduce
+    on a thread of its own meanwhile and waits at the merge step for what τ steps did not hide. Measured (tiny
+    preset, 4 workers, H = 12, F = 4, 3 seeds, fp32): τ = 2 halved the peak again (0.14x DiLoCo's) and cost 0.5%
+    of eval loss."""
 
     fragment_alpha: float = 0.0
     """α, how a fragment's outer result merges with the local copy: params ← α·local + (1 − α)·global. 0 takes

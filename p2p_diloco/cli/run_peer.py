@@ -157,10 +157,6 @@ def _main(argv: Sequence[str] | None) -> int:
     cfg, args = parse_config(parser, PeerConfig, argv)
     setup_logging(args.verbose)
     raise_open_files_limit()  # before any child process: they inherit it (see cli.open_files)
-    if cfg.outer.fragment_delay != 0:
-        usage_error(PROG, "--fragment-delay: the swarm peer runs each fragment's all-reduce at its sync step "
-                          "(--fragment-delay 0); overlapping it with the next steps runs in the simulator only "
-                          "(python -m p2p_diloco.simulate --mode streaming)")
     # Before the model exists and the swarm's processes are forked; the threshold by where the step runs (see
     # host_memory). A device this machine lacks is refused later, with the node's own message.
     requested = cfg.inner.device

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.pseudograd import pseudo_gradient
-from p2p_diloco.core.round_driver import RoundDriver, RoundPort
+from p2p_diloco.core.round_driver import InFlight, RoundDriver, RoundPort
 from p2p_diloco.core.rounds import RoundPolicy, RoundReport
 
 __all__ = ["FragmentSchedule", "StreamingRounds", "SyncedWork", "assign_fragments"]
@@ -137,12 +137,23 @@ class FragmentSchedule:
         return offset + (count - 1) * self.local_steps if offset > 0 else count * self.local_steps
 
     def position(self, epochs: Sequence[int]) -> int:
-        """Where a peer whose fragments are at ``epochs`` (rounds done by each) stands in the schedule: the step of
-        the last sync among them. A joiner takes it from the epochs it downloaded, so no step counter needs to be
-        trusted from a peer; with τ = 0, every fragment round done by then has been merged."""
+        """Where a peer whose fragments are at ``epochs`` (rounds done, merged, by each) stands in the schedule:
+        the step of the last merge among them (its sync plus τ), 0 before any. A joiner takes it from the epochs it
+        downloaded, so no step counter needs to be trusted from a peer."""
         if len(epochs) != self.fragments:
             raise ValueError(f"{len(epochs)} fragment epochs for {self.fragments} fragments")
-        return max(self.sync_step(f, e) for f, e in enumerate(epochs))
+        last_sync = max(self.sync_step(f, e) for f, e in enumerate(epochs))
+        return last_sync + self.delay if last_sync > 0 else 0
+
+    def next_merge(self, step: int) -> int:
+        """The first step after ``step`` at which some fragment merges (with τ = 0, where it syncs): where a swarm
+        peer's inner phase ends, its sync τ steps earlier taken inside the phase."""
+        event = self.next_event(step)
+        for _ in range(2 * self.fragments + 1):  # each fragment syncs and merges once per H steps
+            if self.merges(event):
+                return event
+            event = self.next_event(event)
+        raise AssertionError(f"no merge within {self.local_steps} steps after step {step}")
 
     def next_event(self, step: int) -> int:
         """The first step after ``step`` at which some fragment syncs or merges."""
@@ -177,6 +188,8 @@ class Fragment:
         self.state, self.driver = state, driver
         self.samples = 0.0
         self.synced: SyncedWork | None = None
+        self.flight: InFlight | None = None
+        """Its round opened at its sync step, exchanging while training goes on (:meth:`StreamingRounds.launch`)."""
 
     @property
     def numel(self) -> int:
@@ -248,10 +261,27 @@ class StreamingRounds:
         fragment.samples = 0.0
         return fragment.synced
 
+    def launch(self, f: int, inner_seconds: float = 0.0) -> Callable[[], None]:
+        """Open fragment ``f``'s round on the work taken at its sync (:meth:`sync`) and return its exchange: the
+        caller runs it on any thread while the next τ steps train, then calls :meth:`finish` at the merge step,
+        once the exchange returned (``RoundDriver.open``, ``exchange``, ``land``)."""
+        fragment = self.fragments[f]
+        synced = fragment.synced
+        if synced is None or fragment.flight is not None:
+            raise RuntimeError(f"fragment {f} has no synced work to launch, or a round in flight")
+        fragment.synced = None
+        report = RoundReport(epoch=fragment.state.epoch, fragment=f)
+        flight = fragment.flight = fragment.driver.open(synced.samples, report, inner_seconds, delta=synced.delta)
+        return lambda: fragment.driver.exchange(flight)
+
     def finish(self, f: int, inner_seconds: float = 0.0) -> RoundReport:
         """Fragment ``f``'s round on the work taken at its sync: the round policy's decisions, the outer step on
-        its anchors and the α-merge into its parameters (or nothing applied, the work carried)."""
+        its anchors and the α-merge into its parameters (or nothing applied, the work carried). A round
+        :meth:`launch` opened lands here (its exchange must have returned)."""
         fragment = self.fragments[f]
+        if fragment.flight is not None:
+            flight, fragment.flight = fragment.flight, None
+            return fragment.driver.land(flight)
         synced = fragment.synced
         if synced is None:
             raise RuntimeError(f"fragment {f} has no synced work to finish")

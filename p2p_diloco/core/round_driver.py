@@ -14,6 +14,18 @@ during the next inner phase; the outer step uses the complete average of epoch `
 ``averaged``) or, when that one was late, failed or partial, the own term only (outcome ``own_only``). A
 state download or a solo round resets the eager state.
 
+A fragment of Streaming DiLoCo with ``--fragment-delay`` τ > 0 (:mod:`p2p_diloco.core.fragments`) runs a round in
+three parts, so that its all-reduce overlaps the next τ inner steps::
+
+    flight = driver.open(samples, report, inner_seconds, delta)   # at the sync step: the work and its buffers
+    driver.exchange(flight)             # the decision and the all-reduce: any thread, while training goes on
+    report = driver.land(flight)        # at the merge step, on the training thread: the outer step, or not
+
+:meth:`RoundDriver.end` is the three at once. The division is by what each part touches: ``exchange`` reads the
+swarm and the port's verdicts and sends this round's buffers, and changes neither the outer state nor the
+parameters; ``land`` alone changes them (outer step and α-merge, a catch-up, a solo step), so a round's outcome
+is applied only once it is complete, on the thread that trains, and never half.
+
 A blocking round's buffers come from the port as a :class:`~p2p_diloco.core.lease.BufferLease` (the swarm's
 shared averaging buffer) or are the driver's own; the driver moves the lease through its states (Δ writable,
 in flight, mean readable, served, released) and the port touches the buffers only through it. The round that
@@ -32,11 +44,13 @@ from typing import Protocol
 import torch
 
 from p2p_diloco.core.delayed import Contribution, RoundAggregate, aggregate_round, summarize_round
-from p2p_diloco.core.lease import BufferLease
+from p2p_diloco.core.lease import BufferLease, LeaseError
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.pseudograd import pseudo_gradient
 from p2p_diloco.core.rounds import (
     Action,
+    Decision,
+    LateWork,
     Observation,
     Outcome,
     PendingWork,
@@ -61,6 +75,34 @@ class Collected:
     """How long the caller was blocked waiting for it."""
     folded_stale: bool = False
     """The round carried this peer's late work, and it went in."""
+
+
+@dataclass
+class InFlight:
+    """One round between :meth:`RoundDriver.open` and :meth:`RoundDriver.land` (module docstring): owned by the
+    driver, filled by ``exchange``, spent by ``land``."""
+
+    report: RoundReport
+    weight: float
+    """The round's fresh weight (samples plus any carried work)."""
+    lease: BufferLease
+    inner_seconds: float
+    given: bool
+    """The pseudo-gradient was taken by the caller (Streaming DiLoCo): its buffers are released after landing."""
+    decision: Decision | None = None
+    """The policy's first decision (``None`` until ``exchange`` ran)."""
+    peers_visible: int = 0
+    stale: list[torch.Tensor] | None = None
+    """Late work this round folds (its delta), if any."""
+    late: LateWork | None = None
+    """The late work handed over to the round (``PendingWork.take_late``)."""
+    result: RoundResult | None = None
+    """The all-reduce's result (``Action.AVERAGE``)."""
+    after: Decision | None = None
+    """The policy's decision once the all-reduce returned."""
+    exchange_s: float = 0.0
+    """Seconds ``exchange`` took (what a blocking round waits)."""
+    landed: bool = False
 
 
 class RoundPort(Protocol):
@@ -183,28 +225,64 @@ class RoundDriver:
         """Run the round's decisions; fills ``report`` (outcome, group, timings, new epoch) and returns it.
 
         ``delta``: the pseudo-gradient taken earlier (Streaming DiLoCo takes it at the fragment's sync step and
-        ends the round τ steps later, ``core.fragments``); by default it is taken now."""
-        epoch = self.state.epoch
+        ends the round τ steps later, ``core.fragments``); by default it is taken now. The same as
+        :meth:`open`, :meth:`exchange` and :meth:`land` in a row."""
+        flight = self.open(samples, report, inner_seconds, delta)
+        self.exchange(flight)
+        return self.land(flight)
+
+    def open(self, samples: float, report: RoundReport, inner_seconds: float,
+             delta: list[torch.Tensor] | None = None) -> InFlight:
+        """Begin a round over ``samples`` of work (the module docstring): its weight and its buffers, holding
+        ``delta`` or the pseudo-gradient taken now. Changes nothing else."""
         weight = self.pending.weight_for(samples)
-        given = delta
         lease = self._take_lease(delta)
-        delta = lease.delta()
-        seen = self.port.observe(epoch)
-        if self.policy.wants_checksum_vote(seen):
-            seen = dataclasses.replace(seen, minority=self.port.in_minority(epoch))
-        decision = self.policy.decide(seen)
+        return InFlight(report, weight, lease, inner_seconds, given=delta is not None)
+
+    def exchange(self, flight: InFlight) -> None:
+        """The round's decision and, when it is to average, its all-reduce: bounded in time, never raises, and
+        changes neither the outer state nor the parameters (the late work it folds is the round's from here on).
+        May run on another thread than the one that trains, between :meth:`open` and :meth:`land`."""
+        try:
+            epoch = self.state.epoch
+            seen = self.port.observe(epoch)
+            if self.policy.wants_checksum_vote(seen):
+                seen = dataclasses.replace(seen, minority=self.port.in_minority(epoch))
+            flight.peers_visible = seen.peers_visible
+            flight.decision = self.policy.decide(seen)
+            if flight.decision.action is Action.AVERAGE:
+                started = time.monotonic()
+                self._allreduce(flight)
+                flight.exchange_s = time.monotonic() - started
+        except LeaseError:
+            raise  # a buffer used out of turn: a bug here, not trouble on the network
+        except Exception as e:  # noqa: BLE001 - a port broke its contract: the round is carried, never applied
+            logger.warning("The round of epoch %d failed before its outcome: %r", self.state.epoch, e)
+            flight.decision, flight.result, flight.after = Decision(Action.CARRY, f"the round raised {e!r}"), None, None
+
+    def land(self, flight: InFlight) -> RoundReport:
+        """Act on what :meth:`exchange` found, on the training thread: the outer step and merge, a catch-up, a solo
+        step, or the work carried. Fills and returns the round's report."""
+        if flight.landed:
+            raise RuntimeError("this round has landed already")
+        flight.landed = True
+        report, lease, weight = flight.report, flight.lease, flight.weight
+        decision = flight.decision or Decision(Action.CARRY, "the round's exchange did not run")
         if decision.action is Action.RESYNC:
             report.outcome, report.reason = self._catch_up(lease, weight, decision.min_epoch), decision.reason
         elif decision.action is Action.SOLO:
-            self._solo(delta, weight, report, decision.reason)
+            self._solo(lease.delta(), weight, report, decision.reason)
         elif decision.action is Action.EAGER:
-            self._eager(delta, weight, report, inner_seconds, seen.peers_visible)
-        else:
+            self._eager(lease.delta(), weight, report, flight.inner_seconds, flight.peers_visible)
+        elif decision.action is Action.AVERAGE:
             started = time.monotonic()
-            self._average(lease, weight, report)
-            report.blocked_seconds = time.monotonic() - started
+            self._land_average(flight)
+            report.blocked_seconds = flight.exchange_s + time.monotonic() - started
+        else:
+            self.pending.carry(weight)
+            report.outcome, report.reason = Outcome.SKIPPED, decision.reason
         report.new_epoch = self.state.epoch
-        if given is not None:
+        if flight.given and self.lease is lease:
             # Taken earlier by the caller (Streaming DiLoCo): these buffers serve nothing after the round (the
             # update served to joiners lives in a port's lease), so they are not kept until this driver's next
             # round; F fragments' drivers keeping theirs would hold a whole model's worth (4 bytes per parameter,
@@ -234,35 +312,43 @@ class RoundDriver:
 
     # ------------------------------------------------------------------ actions
 
-    def _average(self, lease: BufferLease, weight: float, report: RoundReport) -> None:
-        epoch = self.state.epoch
-        stale, stale_weight, staleness = self.pending.late_term(epoch, self.policy.staleness)
-        late = self.pending.take_late() if stale is not None else None
-        if late is not None:
-            lease.fold(late)  # the round owns it now: the averager process may scale it in place
+    def _allreduce(self, flight: InFlight) -> None:
+        """``exchange``'s all-reduce: send the lease's work (and any late work, handed over to the round) and take
+        the policy's decision on the result. Touches the driver's pending late work, never the outer state."""
+        epoch, lease = self.state.epoch, flight.lease
+        flight.stale, stale_weight, staleness = self.pending.late_term(epoch, self.policy.staleness)
+        flight.late = self.pending.take_late() if flight.stale is not None else None
+        if flight.late is not None:
+            lease.fold(flight.late)  # the round owns it now: the averager process may scale it in place
         self.port.averaging(epoch)
         self.port.before_allreduce()
         lease.send()
-        result = self.port.average(lease, weight, staleness, epoch, stale_weight)
-        report.reason = result.reason
-        report.absorb(result)
+        result = flight.result = self.port.average(lease, flight.weight, staleness, epoch, stale_weight)
         back = lease.returned(result.averaged, late_intact=not result.late_consumed)
         if back is not None:
             self.pending.late = back  # the round failed before it touched the late work
-        elif late is not None and not result.averaged:
+        elif flight.late is not None and not result.averaged:
             # The round failed after the averager had scaled the late work and the all-reduce had written part
             # of the group's values into it, in place: what is left is neither our work nor the group's.
             # Carrying it into the next fold (or adding a resync's work to it) would apply a corrupted update;
             # it stays with the spent round, and one phase of late work is lost.
             logger.warning("Dropping the late work of epoch %d: the round that folded it failed midway (%s)",
-                           late.origin_epoch, result.reason)
+                           flight.late.origin_epoch, result.reason)
         swarm_epoch = None if result.averaged else self.port.swarm_epoch()
-        decision = self.policy.after_allreduce(epoch, result, swarm_epoch)
-        if decision.action is Action.RESYNC:
-            report.outcome = self._catch_up(lease, weight, decision.min_epoch)
+        flight.after = self.policy.after_allreduce(epoch, result, swarm_epoch)
+
+    def _land_average(self, flight: InFlight) -> None:
+        """``land`` for a round that averaged (or tried to): apply the group's mean, carry, or catch up."""
+        report, lease, result, after = flight.report, flight.lease, flight.result, flight.after
+        if result is None or after is None:
+            raise RuntimeError("a round to average landed before its exchange")
+        report.reason = result.reason
+        report.absorb(result)
+        if after.action is Action.RESYNC:
+            report.outcome = self._catch_up(lease, flight.weight, after.min_epoch)
             return
-        if decision.action is Action.CARRY:
-            self.pending.carry(weight)
+        if after.action is Action.CARRY:
+            self.pending.carry(flight.weight)
             report.outcome = Outcome.SKIPPED
             return
         stats = summarize_round([w or s for w, s in zip(result.weights, result.stale_weights, strict=True)],
@@ -270,7 +356,7 @@ class RoundDriver:
         # The swarm's mean is a view of the lease's buffers (READABLE now, SERVED once applied, until released).
         self._apply(RoundAggregate(result.fresh_mean, result.stale_term, stats), from_swarm=True, lease=lease)
         report.late_folded = late_folded(result.stalenesses)
-        report.outcome = Outcome.FOLDED_LATE if stale is not None else Outcome.AVERAGED
+        report.outcome = Outcome.FOLDED_LATE if flight.stale is not None else Outcome.AVERAGED
 
     def _solo(self, delta: list[torch.Tensor], weight: float, report: RoundReport, reason: str) -> None:
         stale, stale_weight, staleness = self.pending.late_term(self.state.epoch, self.policy.staleness)

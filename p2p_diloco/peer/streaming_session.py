@@ -16,8 +16,17 @@ fewer inner steps per phase, as a whole round would), not the schedule. A peer's
 follows from its fragments' epochs (``FragmentSchedule.position``), so a joiner or a restart takes it from the
 state it downloaded or loaded; no step counter is taken from another peer.
 
-**What is not built yet** (``run_peer`` refuses it): τ > 0 (``--fragment-delay``), whose all-reduce must run
-in the background through the next τ steps, and a node of several GPUs with fragments. A fragment's round
+**The overlap** (``--fragment-delay`` τ > 0). An inner phase then ends at a fragment's merge step, and that
+fragment's sync, τ steps earlier, happens inside the phase (:meth:`StreamingSession.on_inner_step`; a slow
+peer's phase is scaled as a whole, so its sync falls at the same share of its steps): its pseudo-gradient is
+taken and its round opened on the training thread, the round's decision and all-reduce run on a thread of their
+own while the next steps train (``RoundDriver.exchange``: it changes neither the outer state nor the
+parameters), and at the merge step the training thread waits for it, if it is not done, and lands it (the
+outer step and the α-merge, a catch-up, or the work carried: ``RoundDriver.land``). Since τ is at most H/F,
+at most one fragment is in flight, as the averager's one buffer needs; a checkpoint is written between phases,
+with none in flight. A round still in flight when the peer stops is waited for (bounded) and not applied.
+
+**What is not built yet** (``run_peer`` refuses it): a node of several GPUs with fragments. A fragment's round
 update is not served to joiners (a fragment left behind downloads the fragment instead).
 
 **Memory.** The fragments' anchors and momentum are one model's (8 bytes per parameter, in shared memory as a
@@ -48,7 +57,7 @@ from p2p_diloco.data.loader import DataPosition
 from p2p_diloco.host_memory import trim_before_fork
 from p2p_diloco.inner_stats import InnerStats
 from p2p_diloco.peer.admission import refuse_other_models, share_host_state, warn_other_versions
-from p2p_diloco.peer.config import PeerConfig
+from p2p_diloco.peer.config import PeerConfig, swarm_wait_bound_s
 from p2p_diloco.peer.faults import NO_FAULTS, FaultHooks
 from p2p_diloco.peer.port import SwarmPort
 from p2p_diloco.peer.report import SessionListener
@@ -95,7 +104,7 @@ class StreamingSession(SwarmSession):
     """``SwarmSession``'s contract, with fragment rounds (see the module docstring).
 
     Args:
-        cfg: the peer's configuration (``cfg.outer.fragments`` > 1, ``fragment_delay`` 0).
+        cfg: the peer's configuration (``cfg.outer.fragments`` > 1).
         params: the model's live parameters, in ``model.parameters()`` order.
         fingerprint: the model's architecture digest.
         names: the parameters' names, for the assignment rule (layers dealt out strided); without them, tensor by
@@ -108,8 +117,8 @@ class StreamingSession(SwarmSession):
                  names: Sequence[str] | None = None, listeners: list[SessionListener] | None = None,
                  faults: FaultHooks = NO_FAULTS) -> None:
         outer = cfg.outer
-        if outer.fragments < 2 or outer.fragment_delay != 0:
-            raise ValueError("StreamingSession runs --fragments > 1 with --fragment-delay 0")
+        if outer.fragments < 2:
+            raise ValueError("StreamingSession runs --fragments > 1")
         self._setup(cfg, params, fingerprint, faults)
         names = list(names) if names is not None else [f"tensor{i}" for i in range(len(params))]
         self.groups = assign_fragments(names, [p.numel() for p in params], outer.fragments)
@@ -138,7 +147,13 @@ class StreamingSession(SwarmSession):
         self.position = 0
         """The schedule step this peer trained up to (``FragmentSchedule.position`` of its epochs at start)."""
         self._event = 0
-        """The schedule step the inner phase under way ends at (the next fragment's sync)."""
+        """The schedule step the inner phase under way ends at (the next fragment's merge; with τ = 0, its sync)."""
+        self._sync_after: int | None = None
+        """τ > 0: the inner steps of this phase after which its fragment syncs (None: done, or τ = 0)."""
+        self._synced_samples = 0
+        """Samples of this phase trained before its sync (they count toward the synced round)."""
+        self._exchanges: dict[int, threading.Thread] = {}
+        """τ > 0: the fragment whose round is in flight, and the thread running its exchange."""
 
     # ------------------------------------------------------------------ state
 
@@ -230,9 +245,20 @@ class StreamingSession(SwarmSession):
         return how
 
     def close(self) -> None:
+        self._wait_exchanges()
         for port in self.ports:
             port.serving.wait_writer()
         self.swarm.close()
+
+    def _wait_exchanges(self) -> None:
+        """A round still in flight when the peer stops: wait for its exchange (bounded by the swarm's own round
+        bound), so that the averager shuts down between rounds; it is not applied."""
+        for f, thread in list(self._exchanges.items()):
+            thread.join(swarm_wait_bound_s(self.cfg.swarm))
+            if thread.is_alive():
+                logger.warning("The round of fragment %d still runs after %.0f s; stopping without it", f,
+                               swarm_wait_bound_s(self.cfg.swarm))
+        self._exchanges.clear()
 
     # ------------------------------------------------------------------ per round
 
@@ -242,7 +268,7 @@ class StreamingSession(SwarmSession):
         for port in self.ports:
             for peer, steps_per_s in port.view.trusted_speeds():
                 self.dylu.observe(peer, steps_per_s)
-        self._event = self.schedule.next_event(self.position)
+        self._event = self.schedule.next_merge(self.position)
         logical = self._event - self.position
         steps = self.dylu.local_steps(self.my_speed)
         h = self.cfg.outer.local_steps
@@ -259,7 +285,36 @@ class StreamingSession(SwarmSession):
             logger.info("Started %.1f s after the swarm (state download): %d inner steps instead of %d", late_s,
                         planned, self.planned_steps)
             self.planned_steps = planned
+        self._synced_samples = 0
+        if self.schedule.delay > 0:
+            # the sync's share of the phase, in this peer's own steps: τ logical steps before the phase's end
+            self._sync_after = round(self.planned_steps * (logical - self.schedule.delay) / logical)
+            self._sync_if_due(0)  # τ = H/F: the sync is at the phase's start, right after the last merge
         return self.planned_steps
+
+    def on_inner_step(self, step: int, loss: float) -> None:
+        """``SwarmSession.on_inner_step``; with τ > 0 the phase's fragment syncs after its share of the steps."""
+        super().on_inner_step(step, loss)
+        self._sync_if_due(step)
+
+    def _sync_if_due(self, done: int) -> None:
+        """After ``done`` inner steps of this phase: take the phase's fragment's pseudo-gradient and start its
+        round's exchange on a thread of its own, once (module docstring, the overlap)."""
+        if self._sync_after is None or done < self._sync_after:
+            return
+        self._sync_after = None
+        step = self._event - self.schedule.delay
+        self._synced_samples = done * self.cfg.inner.batch_size
+        self.streaming.trained(float(self._synced_samples))
+        seconds = 0.0 if self._phase_began is None else time.monotonic() - self._phase_began
+        for f in self.schedule.syncs(step):
+            if f in self._exchanges:  # not reached: τ <= H/F lands each round before the next sync
+                raise RuntimeError(f"fragment {f} synced at step {step} with its last round still in flight")
+            self.streaming.sync(f, step)
+            exchange = self.streaming.launch(f, seconds)
+            thread = threading.Thread(target=exchange, name=f"fragment-{f}-round", daemon=True)
+            thread.start()
+            self._exchanges[f] = thread
 
     def begin_round(self) -> None:
         """Start an inner phase: the parameters train on (each fragment's round resets only its own)."""
@@ -276,13 +331,21 @@ class StreamingSession(SwarmSession):
             self.my_speed = stats.steps_per_second
             self.dylu.observe(self.peer_id, self.my_speed)
             self._last_rates = (stats.steps_per_second, stats.samples / stats.seconds, stats.tokens_per_second)
-        self.streaming.trained(float(stats.samples))
+        self.streaming.trained(float(max(0, stats.samples - self._synced_samples)))
+        self._synced_samples = 0
         self.position = self._event
         began = time.monotonic()
+        waited = self._land_exchanges()
         for port in self.ports:
             port.view.network_s = 0.0
-        reports = self.streaming.step(self.position, stats.seconds)
-        network_s = sum(port.view.network_s for port in self.ports)
+        if self.schedule.delay == 0:
+            reports = self.streaming.step(self.position, stats.seconds)
+        else:
+            reports = [self.streaming.finish(f, stats.seconds) for f in self.schedule.merges(self.position)
+                       if self.streaming.fragments[f].flight is not None]
+            for report in reports:
+                report.blocked_seconds = waited  # what the overlap did not hide: the wait at the merge step
+        network_s = waited + sum(port.view.network_s for port in self.ports)
         for report in reports:
             report.inner_steps, report.inner_seconds, report.train_loss = stats.steps, stats.seconds, stats.mean_loss
             if report.outcome is Outcome.SKIPPED:
@@ -297,9 +360,19 @@ class StreamingSession(SwarmSession):
             report.overhead_seconds = overhead
             report.rejected_records, report.record_bans = rejected, bans
             self._notify("round", report, stats)
-        if not reports:  # not reached with τ = 0: every phase ends at a fragment's sync
+        if not reports:  # not reached: every phase ends at a fragment's merge (with τ = 0, its sync)
             raise RuntimeError(f"no fragment round at schedule step {self.position}")
         return reports[-1]
+
+    def _land_exchanges(self) -> float:
+        """τ > 0, at a merge step: wait for the exchanges of the fragments merging now (each bounded in time);
+        returns the seconds waited."""
+        began = time.monotonic()
+        for f in self.schedule.merges(self.position):
+            thread = self._exchanges.pop(f, None)
+            if thread is not None:
+                thread.join()  # RoundDriver.exchange is bounded (the swarm's round bound) and never raises
+        return time.monotonic() - began
 
     def _publish_progress(self) -> None:
         rates = tuple(x if math.isfinite(x) else 0.0 for x in self._last_rates)

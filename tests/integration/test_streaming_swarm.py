@@ -83,3 +83,40 @@ def test_three_peers_average_fragments_in_turn_and_a_joiner_catches_up_per_fragm
         others = {row["params_sha256"] for n in "abc" for row in rounds[n]
                   if row["outcome"] in SYNCED and (row["fragment"], row["new_epoch"]) == (r["fragment"], r["new_epoch"])}
         assert others == {r["params_sha256"]}, (r, others, seen)
+
+
+@pytest.mark.timeout(420)
+def test_with_a_fragment_delay_the_allreduce_overlaps_training_and_every_fragment_stays_identical(
+        tmp_path: Path) -> None:
+    """--fragment-delay 2: each fragment's round is opened at its sync step, its all-reduce runs on a thread of
+    its own while the next 2 steps train, and it lands at the merge step (peer.streaming_session)."""
+    boot, maddr = start_bootstrap(tmp_path)
+    procs: dict = {}
+    try:
+        args = ("--run-id", "overlap", *FRAGMENTS, "--fragment-delay", "2", "--fragment-alpha", "0.5")
+        procs = {name: start_peer(tmp_path, name, maddr, *args, "--max-rounds", "8", faults=START_TOGETHER)
+                 for name in "abc"}
+        codes = wait_all(procs, 360)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        boot.terminate()
+    assert codes == {"a": 0, "b": 0, "c": 0}, {n: tail(tmp_path, n) for n in procs}
+    rounds = {n: events(tmp_path, n, "round") for n in procs}
+    for name in "abc":
+        fragments = [r["fragment"] for r in rounds[name]]
+        assert len(fragments) == 8 and set(fragments) == {0, 1}, (name, fragments)
+        assert all(x != y for x, y in zip(fragments, fragments[1:], strict=False)), (name, fragments)
+        # a phase ends at a merge step: the first is fragment 1's, 5 steps to its sync plus the 2 overlapped
+        assert rounds[name][0]["inner_steps"] == 7 and all(r["inner_steps"] == 5 for r in rounds[name][1:]), (
+            name, [r["inner_steps"] for r in rounds[name]])
+    # identical parameters per fragment wherever a fragment epoch was reached through the swarm, in at least 4
+    # fragment rounds of all three
+    _identical_per_fragment(rounds)
+    together = defaultdict(set)
+    for name in "abc":
+        for r in rounds[name]:
+            if r["outcome"] == "averaged" and r["group_size"] == 3:
+                together[(r["fragment"], r["new_epoch"])].add(name)
+    assert sum(members == set("abc") for members in together.values()) >= 4, together

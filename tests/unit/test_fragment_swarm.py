@@ -162,6 +162,6 @@ def test_a_streaming_session_saves_and_resumes_every_fragment_at_its_own_epoch()
     with pytest.raises(ValueError, match="--fragments above 1"):
         plain.load_state_dict(saved)
     assert plain.epoch == 0
-    with pytest.raises(ValueError, match="fragment-delay 0"):
-        StreamingSession(PeerConfig(outer=OuterConfig(fragments=2, local_steps=10, fragment_delay=2),
-                                    swarm=SwarmConfig.for_loopback()), params, "ab" * 8, names=names)
+    with pytest.raises(ValueError, match="fragments > 1"):
+        StreamingSession(PeerConfig(outer=OuterConfig(local_steps=10), swarm=SwarmConfig.for_loopback()), params,
+                         "ab" * 8, names=names)

@@ -185,6 +185,53 @@ def test_the_merge_keeps_alpha_of_the_local_work_done_while_the_allreduce_ran() 
     assert torch.equal(params[0], torch.full((3,), 0.0))  # fragment 0 has not synced: all local
 
 
+def test_a_launched_round_changes_nothing_until_it_lands_and_lands_as_the_blocking_one() -> None:
+    # the swarm's τ > 0 path: the round opened at the sync, its exchange (decision and all-reduce) run while the
+    # next step trains, landed at the merge step; the same numbers as the blocking test above
+    peer, params, ports = _peer(alpha=0.5, delay=1)
+    ports[1].results = ["ok"]
+    ports[1].factor = 3.0
+    _train(params, 0.5)
+    peer.trained(8)
+    peer.sync(1, 2)
+    exchange = peer.launch(1)
+    frag1 = peer.fragments[1]
+    assert frag1.synced is None and frag1.flight is not None
+    exchange()  # on the session's thread in the swarm; here at once
+    assert len(ports[1].sent) == 1 and ports[1].sent[0][1] == 8
+    assert frag1.state.epoch == 0 and torch.equal(frag1.state.anchors[0], torch.full((3,), 2.0))
+    _train(params, 0.5)  # the overlapped step trains on the parameters the exchange left alone
+    peer.trained(4)
+    assert torch.equal(params[1], torch.full((3,), 1.0))
+    report = peer.finish(1)
+    assert report.outcome is Outcome.AVERAGED and report.fragment == 1 and frag1.flight is None
+    assert torch.equal(frag1.state.anchors[0], torch.full((3,), 0.5))
+    assert torch.equal(params[1], torch.full((3,), 0.75)) and torch.equal(params[3], torch.full((3,), 2.75))
+    with pytest.raises(RuntimeError, match="no synced work"):
+        peer.finish(1)
+
+
+@pytest.mark.parametrize("exchanged", [True, False])
+def test_a_launched_round_that_failed_or_never_exchanged_is_carried_not_applied(exchanged: bool) -> None:
+    peer, params, ports = _peer(delay=1)
+    ports[1].results = ["fail"]
+    _train(params, 0.5)
+    peer.trained(8)
+    peer.sync(1, 2)
+    exchange = peer.launch(1)
+    if exchanged:
+        exchange()
+    _train(params, 0.25)
+    peer.trained(4)
+    report = peer.finish(1)
+    assert report.outcome is Outcome.SKIPPED and report.new_epoch == 0
+    frag1 = peer.fragments[1]
+    assert frag1.state.epoch == 0 and torch.equal(frag1.state.anchors[0], torch.full((3,), 2.0))
+    assert torch.equal(params[1], torch.full((3,), 1.25))  # all the work kept, for the next round
+    assert frag1.driver.pending.weight_for(0) == 8  # the failed round's samples carried
+    assert len(ports[1].sent) == int(exchanged)
+
+
 def _sim_cfg(**outer: object) -> TrainConfig:
     cfg = TrainConfig()
     cfg.outer.lr, cfg.outer.momentum, cfg.outer.local_steps, cfg.outer.min_local_steps = 1.0, 0.0, 4, 2
@@ -273,3 +320,9 @@ def test_a_peers_place_in_the_schedule_follows_from_its_fragments_epochs() -> No
     assert schedule.position([4, 3]) == 40
     with pytest.raises(ValueError, match="2 fragments"):
         schedule.position([1, 1, 1])
+    # with τ = 2 a peer stands at its last merge, and its phases end at merges (each sync τ steps inside one)
+    delayed = FragmentSchedule(local_steps=10, fragments=2, delay=2)
+    assert delayed.position([0, 0]) == 0 and delayed.next_merge(0) == 7
+    assert delayed.position([0, 1]) == 7 and delayed.next_merge(7) == 12 and delayed.syncs(12 - 2) == [0]
+    assert delayed.position([1, 1]) == 12 and delayed.next_merge(12) == 17
+    assert schedule.next_merge(35) == schedule.next_event(35) == 40  # τ = 0: a merge is a sync
