@@ -3,6 +3,9 @@ utilization, at a fixed link rate.
 
     sudo .venv/bin/python -m benchmarks.streaming_swarm              # F = 1, 2, 4; writes the JSON and BENCHMARKS.md
     .venv/bin/python -m benchmarks.streaming_swarm --report-only     # table and plot from results/streaming_swarm.json
+    # long phases, the overlaps side by side (eager, and fragments with τ > 0):
+    sudo .venv/bin/python -m benchmarks.streaming_swarm --name streaming_swarm_overlap --rate 10 \
+        --local-steps 400 --rounds 3 --settings diloco eager F4 F4t100
 
 Each case starts a bootstrap and 4 ``run_peer`` processes in network namespaces whose links are limited to
 ``--rate`` Mbit/s each way (``benchmarks/testbed.py``: veth pairs and ``tc tbf``), the tiny preset, fp32,
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import statistics
 import time
 from pathlib import Path
@@ -39,10 +43,37 @@ STORE = ROOT / "benchmarks" / "results" / "streaming_swarm.json"
 PEERS = 4
 
 
-def _case(fragments: int, rate: float, steps: int, rounds: int) -> dict[str, Any]:
-    out = fresh(f"stream-F{fragments}")
-    args = [*PEER_BASE, "--run-id", f"stream-F{fragments}", "--local-steps", str(steps), "--min-local-steps",
+SETTING = re.compile(r"^(?:diloco|eager|F(\d+)(?:t(\d+))?)$")
+"""A case: ``diloco`` (F = 1), ``eager`` (F = 1, ``--overlap eager``), ``F4`` (4 fragments, τ = 0), ``F4t100``
+(4 fragments, ``--fragment-delay 100``)."""
+
+
+def parse_setting(text: str) -> tuple[int, int, bool]:
+    """``(fragments, delay, eager)`` of a setting (:data:`SETTING`); ``ValueError`` for anything else."""
+    match = SETTING.match(text)
+    if match is None:
+        raise ValueError(f"setting {text!r}: use diloco, eager, F<fragments> or F<fragments>t<delay>")
+    if text in ("diloco", "eager"):
+        return 1, 0, text == "eager"
+    return int(match.group(1)), int(match.group(2) or 0), False
+
+
+def label(case: dict[str, Any]) -> str:
+    """How a case is named in the table (runs stored before settings had names: by their F)."""
+    if "setting" in case:
+        fragments, delay, eager = parse_setting(case["setting"])
+        if eager:
+            return "eager"
+        return "DiLoCo" if fragments == 1 else f"F={fragments}, τ={delay}"
+    return "DiLoCo" if case["fragments"] == 1 else f"F={case['fragments']}, τ=0"
+
+
+def _case(setting: str, rate: float, steps: int, rounds: int) -> dict[str, Any]:
+    fragments, delay, eager = parse_setting(setting)
+    out = fresh(f"stream-{setting}")
+    args = [*PEER_BASE, "--run-id", f"stream-{setting}", "--local-steps", str(steps), "--min-local-steps",
             str(steps), "--max-rounds", str(rounds * fragments), "--eval-every", "0", "--fragments", str(fragments),
+            "--fragment-delay", str(delay), "--overlap", "eager" if eager else "none",
             "--matchmaking-time-s", "5", "--matchmaking-timeout-s", "60", "--request-timeout-s", "4"]
     # every peer from epoch 0 together: the first one up must not apply rounds alone (tests' START_TOGETHER)
     together = {i: {"P2P_DILOCO_FAULTS": "slow_steps@0=0.4"} for i in range(1, PEERS + 1)}
@@ -50,7 +81,7 @@ def _case(fragments: int, rate: float, steps: int, rounds: int) -> dict[str, Any
     with Testbed(PEERS + 1, rate) as bed:
         procs = start_swarm(bed, out, PEERS, args, peer_env=together)
         codes = wait_peers(procs, 900)
-    return dict(fragments=fragments, codes=codes, peers=read_case(out, fragments, began))
+    return dict(setting=setting, fragments=fragments, codes=codes, peers=read_case(out, fragments, began))
 
 
 def read_case(out: Path, fragments: int, began: float) -> list[dict[str, Any]]:
@@ -85,7 +116,7 @@ def report(data: dict[str, Any]) -> list[str]:
              f"{data['rate_mbit']:g} Mbit/s per link each way, tiny preset (837k parameters, fp32), H = "
              f"{data['local_steps']}, {data['rounds']} whole rounds of inner steps per peer (R·F fragment rounds); "
              f"rounds of all {PEERS} after the first F. Run of {data['when']}. Plot: "
-             "`benchmarks/results/streaming_swarm.png`.", "",
+             f"`benchmarks/results/{data.get('name', 'streaming_swarm')}.png`.", "",
              "| setting | rounds of all 4 (of R·F per peer) | bytes sent per round per peer | all-reduce s per round | "
              "rate while sending (Mbit/s) | mean bytes/s per peer | training blocked per H steps (s) | "
              "compute utilization |",
@@ -99,11 +130,11 @@ def report(data: dict[str, Any]) -> list[str]:
         mean_rate = _median([p["sent"] / p["wall_s"] for p in peers if p["wall_s"] > 0])
         util = _median([u for p in peers for u in p["utilization"]])
         blocked = _median([b for p in peers for b in p.get("blocked_s", [])]) * case["fragments"]
-        name = "DiLoCo" if case["fragments"] == 1 else f"F={case['fragments']}, τ=0"
+        name = label(case)
         full = _median([len(p["bytes_per_round"]) for p in peers])
         lines.append(f"| {name} | {full:g} of {data['rounds'] * case['fragments']} | {_median(per_round):,.0f} | "
                      f"{_median(seconds):.2f} | {_median(rates):.1f} | {mean_rate:,.0f} | {blocked:.2f} | {util:.1%} |")
-    lines += ["", READING]
+    lines += ["", READINGS.get(data.get("name", "streaming_swarm"), "")]
     return lines
 
 
@@ -122,11 +153,11 @@ steps, which hides that cost, runs in the simulator only so far. An earlier run 
 processes using about one core) measured 3.35, 4.08 and 5.73 s blocked: the ordering holds, the F = 2 figure
 moves by a second between runs."""
 
+READINGS = {"streaming_swarm": READING}
+"""What each stored run showed, by ``--name`` (written once its numbers were seen)."""
 
-PLOT = ROOT / "benchmarks" / "results" / "streaming_swarm.png"
 
-
-def plot(data: dict[str, Any]) -> None:
+def plot(data: dict[str, Any], path: Path) -> None:
     """Per setting: bytes a peer sends per round (the burst) and training blocked per H steps, medians."""
     import matplotlib
 
@@ -136,7 +167,7 @@ def plot(data: dict[str, Any]) -> None:
     names, burst, blocked = [], [], []
     for case in data["cases"]:
         peers = case["peers"]
-        names.append("DiLoCo" if case["fragments"] == 1 else f"F={case['fragments']}, τ=0")
+        names.append(label(case))
         burst.append(_median([b for p in peers for b in p["bytes_per_round"]]) / 1e6)
         blocked.append(_median([b for p in peers for b in p.get("blocked_s", [])]) * case["fragments"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -148,7 +179,7 @@ def plot(data: dict[str, Any]) -> None:
     right.set_title("training blocked")
     fig.suptitle(f"{PEERS} peers, {data['rate_mbit']:g} Mbit/s links, tiny preset ({data['when']})")
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -157,19 +188,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=20.0, help="Mbit/s per link, each way")
     parser.add_argument("--local-steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=4, help="whole rounds of inner steps per peer")
-    parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--settings", nargs="+", default=["diloco", "F2", "F4"],
+                        help="cases: diloco, eager, F<fragments>, F<fragments>t<delay> (e.g. F4t100)")
+    parser.add_argument("--name", default="streaming_swarm", help="the results' file names and BENCHMARKS.md section")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
+    for setting in args.settings:
+        try:
+            parse_setting(setting)
+        except ValueError as e:
+            parser.error(str(e))
+    if not re.fullmatch(r"[a-z0-9_]+", args.name):
+        parser.error(f"--name {args.name!r}: use lower-case letters, digits and _")
     logging.basicConfig(level=logging.INFO)
+    store = STORE.with_name(f"{args.name}.json")
     if not args.report_only:
-        cases = [_case(f, args.rate, args.local_steps, args.rounds) for f in args.fragments]
-        data = dict(rate_mbit=args.rate, local_steps=args.local_steps, rounds=args.rounds,
+        cases = [_case(s, args.rate, args.local_steps, args.rounds) for s in args.settings]
+        data = dict(name=args.name, rate_mbit=args.rate, local_steps=args.local_steps, rounds=args.rounds,
                     when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cases=cases)
-        STORE.write_text(json.dumps(data, indent=1))
-    data = json.loads(STORE.read_text())
+        store.write_text(json.dumps(data, indent=1))
+    data = json.loads(store.read_text())
     lines = report(data)
-    plot(data)
-    replace_section(ROOT / "BENCHMARKS.md", "streaming-swarm", "\n".join(lines))
+    plot(data, store.with_suffix(".png"))
+    replace_section(ROOT / "BENCHMARKS.md", args.name.replace("_", "-"), "\n".join(lines))
     print("\n".join(lines))
     return 0
 
