@@ -17,9 +17,18 @@ the deadline is ``median(x) * slack + k * 1.4826 * MAD(x)``, clamped to ``[floor
   peer missing did not see that peer's arrival, only that it came later than the window, or never: a peer
   that died stays "due" while its signed progress record lives, for a round or two. Growing the window for
   it would make the survivors wait the full flag for a dead peer (measured: ``benchmarks/silent_peer.py``).
-  So the cut is remembered, and counts only when one of the cut peers turns up in a group of the next
-  round: then the window that cut it is recorded as a censored sample, and the next window is ``growth x``
-  (2x) it, so it doubles each round until the straggler fits or it reaches the ceiling. Each complete round
+  So the cut is remembered, and counts only once one of the cut peers proves it is alive: it turns up in a
+  group of the next round, or it re-published its signed progress record since the round that cut it (a
+  record with a later expiration than the one read for that round; a dead peer writes none). Then the window
+  that cut it is recorded as a censored sample, and the window is ``growth x`` (2x) it, so it doubles each
+  round until the straggler fits or it reaches the ceiling. The record counts at the next round's start, so
+  that round's window already grows: a peer late by the same margin every round (one that catches up through
+  a relay, downloading each round's update, then trains) was otherwise cut round after round, since it never
+  made it into a group to prove itself (seen on the home-network testbed: rounds 3-6 of a relayed peer). A
+  record proves only that its identity lives, and identities are free: a Sybil that is due, never joins and
+  keeps writing records would hold every round's window at the ceiling. So the caller passes only the records
+  of peers it trusts (averaged with, or ``--trusted-peers``: ``Evidence.trusts``), as the late peer above is
+  once it averaged with this one; a stranger proves itself only by turning up in a group. Each complete round
   lets that boost decay by ``decay`` (0.8x), and the median brings the window back down within about
   ``history / 2`` rounds of prompt arrivals, without swinging between cutting and not. A cut peer that
   never comes back teaches nothing.
@@ -49,9 +58,10 @@ simulator can drive it the same way.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 MAD_TO_SIGMA = 1.4826
@@ -155,8 +165,19 @@ class ArrivalDeadlines:
                                          ceiling=allreduce_ceiling_s, slack=3.0)
         self._cut: frozenset[str] = frozenset()  # due peers the last round's window left out
         self._cut_by = 0.0  # that round's window
+        self._published: Mapping[str, float] = {}  # record expirations read for the round under way
+        self._cut_published: dict[str, float] = {}  # those of the peers the last round cut
 
-    def next_round(self) -> RoundDeadlines:
+    def next_round(self, published: Mapping[str, float] | None = None) -> RoundDeadlines:
+        """The deadlines of the round about to start. ``published``: peer id -> the expiration time of its signed
+        progress record as read for this round; a peer the last round cut whose record was written again since
+        is alive, and the window grows for it now (module docstring). Without it nothing is learned here."""
+        if published is not None:
+            self._published = dict(published)
+            if self._cut and any(published.get(peer, -math.inf) > self._cut_published.get(peer, math.inf)
+                                 for peer in self._cut):
+                self.window.censored(self._cut_by)
+                self._cut = frozenset()  # proven: not counted again when it turns up in this round's group
         if not self.adaptive:
             return RoundDeadlines(self.window.ceiling, self.allreduce.ceiling)
         return RoundDeadlines(self.window.seconds, self.allreduce.seconds)
@@ -189,6 +210,7 @@ class ArrivalDeadlines:
         if self._cut and self._cut & frozenset(members):
             self.window.censored(self._cut_by)  # a peer cut last round is here: it was late, not gone
         self._cut, self._cut_by = frozenset(cut), used.window_s
+        self._cut_published = {peer: self._published[peer] for peer in self._cut if peer in self._published}
         if due_members >= 2 and members and not cut:
             self.window.observe(wait_s)
         elif cut and members and due_arrival_s is not None:

@@ -103,7 +103,8 @@ class SwarmPort:
         # the fresh mean stays in the averager's buffer: the driver applies it before the next round
         with self.view.network():
             result = self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight, copy_out=False,
-                                        left_behind=lambda window_open: self.view.left_behind(epoch, window_open))
+                                        left_behind=lambda window_open: self.view.left_behind(epoch, window_open),
+                                        vouched=self.evidence.trusts)
         self.view.saw(result)
         return result
 

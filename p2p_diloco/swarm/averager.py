@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind detects streaming RPCs by typing's alias only
 
@@ -321,6 +321,7 @@ class RoundAverager(DecentralizedAverager):
         left_behind: Callable[[bool], bool] | None = None,
         step_back: bool = True,
         fragment: int = 0,
+        published: Mapping[str, float] | None = None,
     ) -> RoundResult:
         """Run one round and return its result; never raises for network trouble, never blocks past
         ``matchmaking_timeout_s + 2 * request_timeout_s + allreduce_timeout_s`` (plus a few seconds; the
@@ -349,6 +350,8 @@ class RoundAverager(DecentralizedAverager):
           group's own (see ``round_wait.wait_for_round``). ``None``: wait up to ``matchmaking_timeout_s``.
         :param fragment: with fragments, the one this round averages (``fresh``, ``stale`` and the mean are its
           tensors; ``epoch`` is its epoch); it meets only peers averaging the same fragment at the same epoch.
+        :param published: peer id -> its progress record's expiration as read for this round: a peer the last
+          round cut that wrote its record again since grows this round's window (``core.deadlines``).
         """
         self.layout.check_fragment(fragment)
         if fresh is not None:
@@ -386,7 +389,7 @@ class RoundAverager(DecentralizedAverager):
         # which had put a second model-sized buffer beside the late work for the whole fold round.
         stale_shared = [_shared(src) for src in stale] if has_stale else None
         try:
-            deadlines = self.deadlines.next_round()
+            deadlines = self.deadlines.next_round(published)
             gather = sign_gather(encode_gather(self.bandwidth, self.mode, info), self._claim_key)
             control = self._begin_step(gather, tuple(due), deadlines, stale_shared, step_back=step_back, epoch=epoch,
                                        fragment=fragment)

@@ -286,13 +286,15 @@ class Swarm:
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True,
                 left_behind: Callable[[bool], bool] | None = None, fragment: int = 0,
-                seen: Sequence[PeerProgress] | None = None) -> RoundResult:
+                seen: Sequence[PeerProgress] | None = None,
+                vouched: Callable[[str], bool] | None = None) -> RoundResult:
         """One round; the group forms as soon as every peer due in it has joined. Who is due comes from the
         records the round policy's observation just read (:meth:`records`, or ``seen``: a fragment's), see
         ``swarm.quorum``. ``copy_out=False``: the fresh mean is a view of the shared buffer; ``left_behind``:
         asked while no group has formed, ``True`` asks the averager process to give the round up, which it does
         only if no group has formed by then (both: see ``RoundAverager.average``). ``fragment``: with
-        fragments, the one this round averages at its ``epoch``."""
+        fragments, the one this round averages at its ``epoch``. ``vouched``: the peers whose records, written
+        again after a round cut them, prove them alive (``core.deadlines``; ``Evidence.trusts``), none without."""
         seen = list(self._seen if seen is None else seen)
         due = due_peers(seen, epoch)
         self._warn_above_target(len(due), epoch)
@@ -301,7 +303,8 @@ class Swarm:
         step_back = not self.cfg.client_mode and not any(r.client_mode for r in seen if r.peer_id in due)
         return self.averager.average(delta, weight, staleness, epoch, stale=stale, stale_weight=stale_weight,
                                      due=due, copy_out=copy_out, left_behind=left_behind, step_back=step_back,
-                                     fragment=fragment)
+                                     fragment=fragment, published=None if vouched is None else
+                                     {r.peer_id: r.expiration_time for r in seen if vouched(r.peer_id)})
 
     def _warn_above_target(self, due: int, epoch: int) -> None:
         """Say so when more peers are due than one group holds (once per 50 rounds): the swarm then splits into

@@ -81,10 +81,11 @@ class FragmentSwarm:
 
     def average(self, delta: Sequence[torch.Tensor], weight: float, staleness: int, epoch: int,
                 stale: Sequence[torch.Tensor] | None, stale_weight: float, copy_out: bool = True,
-                left_behind: Callable[[bool], bool] | None = None) -> RoundResult:
+                left_behind: Callable[[bool], bool] | None = None,
+                vouched: Callable[[str], bool] | None = None) -> RoundResult:
         """The fragment's round at its ``epoch`` (``Swarm.average``), the due peers read from its records."""
         return self.swarm.average(delta, weight, staleness, epoch, stale, stale_weight, copy_out=copy_out,
-                                  left_behind=left_behind, fragment=self.fragment, seen=self._seen)
+                                  left_behind=left_behind, fragment=self.fragment, seen=self._seen, vouched=vouched)
 
     def fresh_buffers(self) -> list[torch.Tensor] | None:
         """The fragment's views of the averager's shared buffer (None while a round holds it)."""

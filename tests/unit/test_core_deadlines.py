@@ -89,6 +89,41 @@ def test_a_peer_that_died_does_not_grow_the_window() -> None:
     assert windows == [pytest.approx(1.5)] * 5, windows
 
 
+def test_a_straggler_that_never_makes_a_group_but_writes_its_record_grows_the_window_at_once() -> None:
+    # A relayed peer that catches up each round (an update fetched through the relay) arrives after every
+    # window by the same margin, so it never turns up in a group; its signed record, written again, proves it.
+    d = _deadlines()
+    for _ in range(5):
+        _round(d, wait=0.5)
+    windows, written = [], 100.0
+    for _ in range(4):
+        written += 10.0  # its record re-published during the round that cut it
+        used = d.next_round(published={"me": written, "x": written, "y": written})
+        windows.append(used.window_s)
+        d.observe(used, due_members=3, cut=("y",), members=("me", "x"), wait_s=used.window_s, allreduce_s=2.0,
+                  allreduce_timed_out=False)
+    # the first round cut it at the learned 1.5 s; from the next round's start on the window doubles each round
+    assert windows == [pytest.approx(1.5), pytest.approx(3.0), pytest.approx(6.0), pytest.approx(12.0)], windows
+    # it joins at last: not counted a second time (its record proved it already at this round's start)
+    used = d.next_round(published={"me": written + 10, "x": written + 10, "y": written + 10})
+    d.observe(used, due_members=3, cut=(), members=("me", "x", "y"), wait_s=13.0, allreduce_s=2.0,
+              allreduce_timed_out=False)
+    assert used.window_s == pytest.approx(15.0) and d.next_round().window_s <= 15.0
+
+
+def test_a_dead_peers_record_that_is_not_written_again_grows_nothing() -> None:
+    d = _deadlines()
+    for _ in range(5):
+        _round(d, wait=0.5)
+    windows = []
+    for i in range(3):  # "dead" stays due through its unexpired record, never written again; the others' are
+        used = d.next_round(published={"me": 100.0 + i, "x": 100.0 + i, "dead": 90.0})
+        windows.append(used.window_s)
+        d.observe(used, due_members=3, cut=("dead",), members=("me", "x"), wait_s=1.5, allreduce_s=2.0,
+                  allreduce_timed_out=False, due_arrival_s=0.5)
+    assert windows == [pytest.approx(1.5)] * 3, windows
+
+
 def test_under_churn_a_leader_learns_the_window_from_the_peers_that_came() -> None:
     # A new swarm with churn: every round some due peer is dead (its record still lives), so no round is
     # complete. The leader still sees when the last due peer that came joined it, and learns from that.

@@ -97,9 +97,9 @@ class ScriptedSwarm:
         return self.buffers
 
     def average(self, delta, weight, staleness, epoch, stale, stale_weight, copy_out=True,  # noqa: ANN001
-                left_behind=None) -> RoundResult:  # noqa: ANN001
+                left_behind=None, vouched=None) -> RoundResult:  # noqa: ANN001
         self.averaged.append((weight, stale_weight))
-        self.left_behind = left_behind
+        self.left_behind, self.vouched = left_behind, vouched
         return self.result
 
 
@@ -130,6 +130,8 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
     # After a complete round with a and b, the liar's claims never count, whatever it raises them to.
     swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
     port.average(sent([torch.zeros(4)]), 1.0, 0, 3, 0.0)
+    # whose records may prove a cut peer alive (core.deadlines) is the evidence's word: a and b now, no liar
+    assert swarm.vouched is not None and swarm.vouched("a") and not swarm.vouched("liar")
     swarm.claims["liar2"] = 10**7
     assert port.observe(3).swarm_epoch == 3
     swarm.claims["a"] = 4  # a trusted peer ahead still pulls this one along, checked against trusted peers

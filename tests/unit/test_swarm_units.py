@@ -436,3 +436,22 @@ def test_a_give_up_request_only_marks_a_running_search() -> None:
         return idle, asked, running.is_set(), search.request()
 
     assert asyncio.run(scenario()) == (False, True, True, False)
+
+
+def test_only_vouched_peers_records_reach_the_round_as_proof_of_life() -> None:
+    # core.deadlines grows the window for a cut peer whose record was written again; identities are free, so
+    # only the records of peers the caller vouches for (Evidence.trusts) are passed on
+    from types import SimpleNamespace
+
+    from p2p_diloco.swarm.facade import Swarm
+    from p2p_diloco.swarm.records import PeerProgress
+
+    swarm = Swarm(SwarmConfig.for_loopback(), "ab" * 8, [torch.zeros(2)])
+    calls: list[dict] = []
+    swarm.averager = SimpleNamespace(average=lambda *args, **kwargs: calls.append(kwargs))
+    seen = [PeerProgress(peer, 3, 0, 1.0, 1.0, 1.0, "ab" * 8, 10.0, False, expires)
+            for peer, expires in (("a", 40.0), ("sybil", 41.0))]
+    swarm.average([torch.zeros(2)], 1.0, 0, 3, None, 0.0, seen=seen, vouched=lambda peer: peer == "a")
+    swarm.average([torch.zeros(2)], 1.0, 0, 3, None, 0.0, seen=seen)
+    assert calls[0]["published"] == {"a": 40.0} and calls[0]["due"] == frozenset({"a", "sybil"})
+    assert calls[1]["published"] is None
