@@ -148,12 +148,27 @@ is paid F times per H steps: training was blocked 3.26 s per 40 steps with DiLoC
 at F = 4, so utilization fell (47.9%, 42.4%, 40.1%; 40 tiny steps take about 3 s, so every setting here is
 bound by the network). So in the swarm today fragments trade compute for a smaller burst: use them where the
 burst itself is the problem (a router or uplink that drops or stalls under a long saturating transfer, other
-traffic that must get through), not to train faster. Overlapping each fragment's all-reduce with the next τ
-steps, which hides that cost, runs in the simulator only so far. An earlier run (04:01 UTC, with two stray
+traffic that must get through), not to train faster, unless each fragment's all-reduce overlaps the next τ
+steps (next section: 96.7% at τ = H / 2F with 400-step phases). An earlier run (04:01 UTC, with two stray
 processes using about one core) measured 3.35, 4.08 and 5.73 s blocked: the ordering holds, the F = 2 figure
 moves by a second between runs."""
 
-READINGS = {"streaming_swarm": READING}
+READING_OVERLAP = """Reading it (the run of 2026-11-28 11:44-12:07 UTC, on an otherwise idle machine; phases of 400 steps, as
+the eager measurement above, so each fragment phase is 100 steps, about 9 s of tiny steps on a core shared by
+two peers). A blocking DiLoCo round took 6.6 s of every 40 s from training (82.4%); eager hid it (99.7%). Four
+fragments at τ = 0 blocked longest (13.8 s per H: four rounds' set-up, each about 1 s of matchmaking and
+completion beside a 2.5 s all-reduce): 70.7%. With τ = 50 steps (half a fragment phase, about 4.5 s) each
+fragment's round ran behind the next 50 steps and the training thread waited 0-1.5 s at a merge (1.28 s per
+H): 96.7%, every round a group of all 4. With τ = 100 (= H / F: the sync at the phase's start) nothing
+waited (99.3%), but nothing held the peers together either: rounds took 4-10 s to match as the peers' phases
+drifted apart, peer 4 fell out of a group in the 6th round and resynced five rounds in a row, and only 1 of the
+8 steady rounds had all 4 (each phase ends where its own exchange lands, so a peer that is late stays late).
+So in the swarm choose τ at about half of H / F: it hides most of the round, and the wait at the merge keeps
+the peers in step. Numbers are one run each; the run used the working tree that became commit 'A cut peer
+that writes its record again...' from the eager case on (no round of the first four cases cut a peer, so
+that change did not act there)."""
+
+READINGS = {"streaming_swarm": READING, "streaming_swarm_overlap": READING_OVERLAP}
 """What each stored run showed, by ``--name`` (written once its numbers were seen)."""
 
 
