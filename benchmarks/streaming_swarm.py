@@ -164,9 +164,9 @@ waited (99.3%), but nothing held the peers together either: rounds took 4-10 s t
 drifted apart, peer 4 fell out of a group in the 6th round and resynced five rounds in a row, and only 1 of the
 8 steady rounds had all 4 (each phase ends where its own exchange lands, so a peer that is late stays late).
 So in the swarm choose τ at about half of H / F: it hides most of the round, and the wait at the merge keeps
-the peers in step. Numbers are one run each; the run used the working tree that became commit 'A cut peer
-that writes its record again...' from the eager case on (no round of the first four cases cut a peer, so
-that change did not act there)."""
+the peers in step. Numbers are one run each; from the eager case on the run used the working tree of commit
+5c87b45 (a cut peer's record proves it alive); no round of the first four cases cut a peer, so that change did
+not act there."""
 
 READINGS = {"streaming_swarm": READING, "streaming_swarm_overlap": READING_OVERLAP}
 """What each stored run showed, by ``--name`` (written once its numbers were seen)."""
