@@ -43,37 +43,40 @@ STORE = ROOT / "benchmarks" / "results" / "streaming_swarm.json"
 PEERS = 4
 
 
-SETTING = re.compile(r"^(?:diloco|eager|F(\d+)(?:t(\d+))?)$")
+SETTING = re.compile(r"^(diloco|eager|F(\d+)(?:t(\d+))?)(?:\+(topk-sign))?$")
 """A case: ``diloco`` (F = 1), ``eager`` (F = 1, ``--overlap eager``), ``F4`` (4 fragments, τ = 0), ``F4t100``
-(4 fragments, ``--fragment-delay 100``)."""
+(4 fragments, ``--fragment-delay 100``); ``+topk-sign`` sends with the smallest codec (error feedback on, as the
+simulator's streaming benchmark runs it), else fp32."""
+CODECS = {"fp32": [], "topk-sign": ["--compression", "topk-sign", "--error-feedback", "--error-feedback-decay", "0.95"]}
 
 
-def parse_setting(text: str) -> tuple[int, int, bool]:
-    """``(fragments, delay, eager)`` of a setting (:data:`SETTING`); ``ValueError`` for anything else."""
+def parse_setting(text: str) -> tuple[int, int, bool, str]:
+    """``(fragments, delay, eager, codec)`` of a setting (:data:`SETTING`); ``ValueError`` for anything else."""
     match = SETTING.match(text)
     if match is None:
-        raise ValueError(f"setting {text!r}: use diloco, eager, F<fragments> or F<fragments>t<delay>")
-    if text in ("diloco", "eager"):
-        return 1, 0, text == "eager"
-    return int(match.group(1)), int(match.group(2) or 0), False
+        raise ValueError(f"setting {text!r}: use diloco, eager, F<fragments> or F<fragments>t<delay>, "
+                         "optionally with +topk-sign")
+    codec = match.group(4) or "fp32"
+    if match.group(1) in ("diloco", "eager"):
+        return 1, 0, match.group(1) == "eager", codec
+    return int(match.group(2)), int(match.group(3) or 0), False, codec
 
 
 def label(case: dict[str, Any]) -> str:
     """How a case is named in the table (runs stored before settings had names: by their F)."""
-    if "setting" in case:
-        fragments, delay, eager = parse_setting(case["setting"])
-        if eager:
-            return "eager"
-        return "DiLoCo" if fragments == 1 else f"F={fragments}, τ={delay}"
-    return "DiLoCo" if case["fragments"] == 1 else f"F={case['fragments']}, τ=0"
+    if "setting" not in case:
+        return "DiLoCo" if case["fragments"] == 1 else f"F={case['fragments']}, τ=0"
+    fragments, delay, eager, codec = parse_setting(case["setting"])
+    name = "eager" if eager else "DiLoCo" if fragments == 1 else f"F={fragments}, τ={delay}"
+    return name if codec == "fp32" else f"{name}, {codec}"
 
 
 def _case(setting: str, rate: float, steps: int, rounds: int) -> dict[str, Any]:
-    fragments, delay, eager = parse_setting(setting)
-    out = fresh(f"stream-{setting}")
-    args = [*PEER_BASE, "--run-id", f"stream-{setting}", "--local-steps", str(steps), "--min-local-steps",
+    fragments, delay, eager, codec = parse_setting(setting)
+    out = fresh(f"stream-{setting.replace('+', '-')}")
+    args = [*PEER_BASE, "--run-id", f"stream-{setting.replace('+', '-')}", "--local-steps", str(steps), "--min-local-steps",
             str(steps), "--max-rounds", str(rounds * fragments), "--eval-every", "0", "--fragments", str(fragments),
-            "--fragment-delay", str(delay), "--overlap", "eager" if eager else "none",
+            "--fragment-delay", str(delay), "--overlap", "eager" if eager else "none", *CODECS[codec],
             "--matchmaking-time-s", "5", "--matchmaking-timeout-s", "60", "--request-timeout-s", "4"]
     # every peer from epoch 0 together: the first one up must not apply rounds alone (tests' START_TOGETHER)
     together = {i: {"P2P_DILOCO_FAULTS": "slow_steps@0=0.4"} for i in range(1, PEERS + 1)}
