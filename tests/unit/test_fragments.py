@@ -232,6 +232,26 @@ def test_a_launched_round_that_failed_or_never_exchanged_is_carried_not_applied(
     assert len(ports[1].sent) == int(exchanged)
 
 
+def test_a_port_that_raises_during_the_exchange_gives_a_carried_round() -> None:
+    # exchange may run on a thread of its own: a port breaking its never-raise contract there must not kill the
+    # round unseen, nor let anything be applied
+    peer, params, ports = _peer(delay=1)
+    ports[1].results = ["ok"]
+
+    def broken(*args: object) -> RoundResult:
+        raise ConnectionError("the averager process went away")
+
+    ports[1].average = broken
+    _train(params, 0.5)
+    peer.trained(8)
+    peer.sync(1, 2)
+    peer.launch(1)()
+    report = peer.finish(1)
+    assert report.outcome is Outcome.SKIPPED and "the round raised" in report.reason
+    assert peer.fragments[1].state.epoch == 0 and torch.equal(params[1], torch.full((3,), 1.5))
+    assert peer.fragments[1].driver.pending.weight_for(0) == 8
+
+
 def _sim_cfg(**outer: object) -> TrainConfig:
     cfg = TrainConfig()
     cfg.outer.lr, cfg.outer.momentum, cfg.outer.local_steps, cfg.outer.min_local_steps = 1.0, 0.0, 4, 2
