@@ -116,7 +116,8 @@ def _median(values: list[float]) -> float:
 
 def report(data: dict[str, Any]) -> list[str]:
     lines = [f"Swarm (`benchmarks/streaming_swarm.py`): {PEERS} `run_peer` processes on the namespace testbed, "
-             f"{data['rate_mbit']:g} Mbit/s per link each way, tiny preset (837k parameters, fp32), H = "
+             f"{data['rate_mbit']:g} Mbit/s per link each way, tiny preset (837k parameters; fp32 unless the setting "
+             f"names a codec), H = "
              f"{data['local_steps']}, {data['rounds']} whole rounds of inner steps per peer (R·F fragment rounds); "
              f"rounds of all {PEERS} after the first F. Run of {data['when']}. Plot: "
              f"`benchmarks/results/{data.get('name', 'streaming_swarm')}.png`.", "",
@@ -171,7 +172,18 @@ the peers in step. Numbers are one run each; from the eager case on the run used
 5c87b45 (a cut peer's record proves it alive); no round of the first four cases cut a peer, so that change did
 not act there."""
 
-READINGS = {"streaming_swarm": READING, "streaming_swarm_overlap": READING_OVERLAP}
+READING_TAU = """Reading it (the run of 2026-11-28 12:16-12:23 UTC, same testbed and flags as the τ = 0 table two sections
+up, whose DiLoCo, F = 2 and F = 4 rows it completes; a 30-second unit test ran beside its first case). These
+phases are short (H / F = 20 or 10 steps, 1.5 or 0.75 s of tiny steps), so τ = H / 2F hides only part of a round:
+with it, training was blocked 5.13 s per H at F = 2 and 5.54 s at F = 4 (5.16 and 5.80 at τ = 0), and
+utilization rose to 52.8% and 51.1% (42.4% and 40.1% at τ = 0, 47.9% DiLoCo): each round's bytes and set-up still
+take longer than τ steps. With the sparse codec (topk-sign, error feedback) a round sends about 1/128 of fp32
+(38,860 bytes against 4,960,360) and a fragment round 10,243 bytes, so the set-up is nearly all that is left:
+DiLoCo blocked 0.96 s per H (77.1%), four fragments 2.19 s at τ = 0 (60.8%) and 2.08 s at τ = 5 (67.6%). With
+a codec this small, fragments lower a burst that was already small and pay four set-ups; use them at fp32 or
+at the low-bit codecs, where the burst is what hurts."""
+
+READINGS = {"streaming_swarm": READING, "streaming_swarm_overlap": READING_OVERLAP, "streaming_swarm_tau": READING_TAU}
 """What each stored run showed, by ``--name`` (written once its numbers were seen)."""
 
 
