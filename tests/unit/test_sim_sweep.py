@@ -8,11 +8,15 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from p2p_diloco.config import DataConfig, InnerConfig, ModelConfig, OuterConfig, RunConfig, TrainConfig
 from p2p_diloco.simulate import SimConfig, run
 from p2p_diloco.simulate.sweep import SweepPoint, SweepResult
 
 
+@pytest.mark.slow  # the sweep CLI in a process of its own (34 s in CI); the sweep itself is tested in-process
+@pytest.mark.long
 def test_sweep_cli_prints_plots_and_writes_the_best(tmp_path) -> None:
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     proc = subprocess.run(

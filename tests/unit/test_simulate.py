@@ -121,6 +121,8 @@ def test_a_banned_sender_forgets_its_residual() -> None:
         assert torch.equal(workers[0].state.feedback.residual(i), torch.where(r == 0, b + s, b))
 
 
+@pytest.mark.slow  # the CLI in a process of its own (35 s in CI: two interpreter starts that import the model stack); the engine is tested in-process above
+@pytest.mark.long
 def test_cli_writes_json(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = subprocess.run(
