@@ -29,6 +29,16 @@ def _identical_per_fragment(rounds: dict[str, list[dict]]) -> dict[tuple[int, in
     return seen
 
 
+def _at_least_4_rounds_of_all_three(rounds: dict[str, list[dict]]) -> None:
+    """a, b and c averaged together, in a group of three, in at least 4 fragment rounds."""
+    together = defaultdict(set)
+    for name in "abc":
+        for r in rounds[name]:
+            if r["outcome"] == "averaged" and r["group_size"] == 3:
+                together[(r["fragment"], r["new_epoch"])].add(name)
+    assert sum(members == set("abc") for members in together.values()) >= 4, together
+
+
 @pytest.mark.timeout(480)
 def test_three_peers_average_fragments_in_turn_and_a_joiner_catches_up_per_fragment(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
@@ -66,12 +76,7 @@ def test_three_peers_average_fragments_in_turn_and_a_joiner_catches_up_per_fragm
         assert all(x != y for x, y in zip(fragments, fragments[1:], strict=False)), (name, fragments)
     # identical parameters per fragment wherever a fragment epoch was reached through the swarm
     seen = _identical_per_fragment(rounds)
-    together = defaultdict(set)
-    for name in "abc":
-        for r in rounds[name]:
-            if r["outcome"] == "averaged" and r["group_size"] == 3:
-                together[(r["fragment"], r["new_epoch"])].add(name)
-    assert sum(members == set("abc") for members in together.values()) >= 4, together
+    _at_least_4_rounds_of_all_three(rounds)
 
     # the joiner downloaded each fragment's state (a fragment at a time), then averaged with the others and
     # reached the very digests they reached
@@ -114,9 +119,4 @@ def test_with_a_fragment_delay_the_allreduce_overlaps_training_and_every_fragmen
     # identical parameters per fragment wherever a fragment epoch was reached through the swarm, in at least 4
     # fragment rounds of all three
     _identical_per_fragment(rounds)
-    together = defaultdict(set)
-    for name in "abc":
-        for r in rounds[name]:
-            if r["outcome"] == "averaged" and r["group_size"] == 3:
-                together[(r["fragment"], r["new_epoch"])].add(name)
-    assert sum(members == set("abc") for members in together.values()) >= 4, together
+    _at_least_4_rounds_of_all_three(rounds)
