@@ -50,7 +50,6 @@ from p2p_diloco.core.pseudograd import pseudo_gradient
 from p2p_diloco.core.rounds import (
     Action,
     Decision,
-    LateWork,
     Observation,
     Outcome,
     PendingWork,
@@ -94,8 +93,6 @@ class InFlight:
     peers_visible: int = 0
     stale: list[torch.Tensor] | None = None
     """Late work this round folds (its delta), if any."""
-    late: LateWork | None = None
-    """The late work handed over to the round (``PendingWork.take_late``)."""
     result: RoundResult | None = None
     """The all-reduce's result (``Action.AVERAGE``)."""
     after: Decision | None = None
@@ -317,9 +314,9 @@ class RoundDriver:
         the policy's decision on the result. Touches the driver's pending late work, never the outer state."""
         epoch, lease = self.state.epoch, flight.lease
         flight.stale, stale_weight, staleness = self.pending.late_term(epoch, self.policy.staleness)
-        flight.late = self.pending.take_late() if flight.stale is not None else None
-        if flight.late is not None:
-            lease.fold(flight.late)  # the round owns it now: the averager process may scale it in place
+        late = self.pending.take_late() if flight.stale is not None else None
+        if late is not None:
+            lease.fold(late)  # the round owns it now: the averager process may scale it in place
         self.port.averaging(epoch)
         self.port.before_allreduce()
         lease.send()
@@ -327,13 +324,13 @@ class RoundDriver:
         back = lease.returned(result.averaged, late_intact=not result.late_consumed)
         if back is not None:
             self.pending.late = back  # the round failed before it touched the late work
-        elif flight.late is not None and not result.averaged:
+        elif late is not None and not result.averaged:
             # The round failed after the averager had scaled the late work and the all-reduce had written part
             # of the group's values into it, in place: what is left is neither our work nor the group's.
             # Carrying it into the next fold (or adding a resync's work to it) would apply a corrupted update;
             # it stays with the spent round, and one phase of late work is lost.
             logger.warning("Dropping the late work of epoch %d: the round that folded it failed midway (%s)",
-                           flight.late.origin_epoch, result.reason)
+                           late.origin_epoch, result.reason)
         swarm_epoch = None if result.averaged else self.port.swarm_epoch()
         flight.after = self.policy.after_allreduce(epoch, result, swarm_epoch)
 
