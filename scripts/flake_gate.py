@@ -6,6 +6,7 @@ Usage (from the repository root, after ``bash scripts/setup.sh``)::
     .venv/bin/python scripts/flake_gate.py 5 --ci               # the `slow` tests CI runs (not `long`), 5 times
     .venv/bin/python scripts/flake_gate.py 5 tests/integration/test_red_team.py   # a selection, 5 times
     .venv/bin/python scripts/flake_gate.py 5 --workers 2        # two test files at a time (pytest-xdist)
+    .venv/bin/python scripts/flake_gate.py 5 --keep gate-out    # keep each run's pytest output and report
 
 Each run is one ``pytest -m slow`` over the selection, one test at a time as CI runs them (``--workers N``: N test
 files at a time, ``pytest -n N --dist loadfile``, to see whether the tests hold under that load), writing a JUnit
@@ -30,11 +31,16 @@ CI_SLOW = "slow and not long"
 """The marker expressions of the gate's two selections: every multi-process test, or those CI runs."""
 
 
-def run_once(selection: list[str], report: Path, workers: int = 1, marks: str = SLOW) -> int:
+def run_once(selection: list[str], report: Path, workers: int = 1, marks: str = SLOW,
+             output: Path | None = None) -> int:
+    """One pytest run of the selection; its output goes to ``output`` (the failures' tracebacks) or nowhere."""
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     args = [sys.executable, "-m", "pytest", "-m", marks, "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-            *parallel, *selection]
-    return subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+            "--durations=0", *parallel, *selection]
+    if output is None:
+        return subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+    with output.open("w") as sink:
+        return subprocess.run(args, stdout=sink, stderr=subprocess.STDOUT, check=False).returncode
 
 
 def outcomes(report: Path) -> dict[str, str | None]:
@@ -58,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                         "`slow` tests)")
     parser.add_argument("--workers", type=int, default=1, help="test files run at a time (default 1, as CI)")
     parser.add_argument("--ci", action="store_true", help="only the `slow` tests CI runs (leaves out `long`)")
+    parser.add_argument("--keep", type=Path, default=None, help="a folder to keep each run's pytest output "
+                        "(runN.log: tracebacks, durations) and JUnit report (runN.xml) in; default: not kept")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("runs must be at least 1")
@@ -65,11 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("workers must be at least 1")
     runs: dict[str, int] = defaultdict(int)
     failures: dict[str, list[str]] = defaultdict(list)
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
+        where = args.keep if args.keep is not None else Path(tmp)
         for i in range(args.runs):
             began = time.monotonic()
-            code = run_once(args.selection, Path(tmp) / f"run{i}.xml", args.workers, CI_SLOW if args.ci else SLOW)
-            seen = outcomes(Path(tmp) / f"run{i}.xml")
+            report = where / f"run{i + 1}.xml"
+            log = where / f"run{i + 1}.log" if args.keep is not None else None
+            code = run_once(args.selection, report, args.workers, CI_SLOW if args.ci else SLOW, log)
+            seen = outcomes(report)
             for name, failure in seen.items():
                 runs[name] += 1
                 if failure is not None:

@@ -80,3 +80,14 @@ def test_ci_selects_the_slow_tests_ci_runs(monkeypatch: pytest.MonkeyPatch, tmp_
     gate.main(["1", str(tmp_path)])
     marks = [args[args.index("pytest") + 2] for args in seen]  # python -m pytest -m MARKS
     assert marks == ["slow and not long", "slow"], seen
+
+
+def test_keep_leaves_each_runs_output_and_report_for_diagnosis(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_sample.py").write_text(FLAKY)
+    kept = tmp_path / "kept"
+    assert _gate().main(["2", str(tmp_path / "tests"), "--keep", str(kept)]) == 1
+    assert sorted(p.name for p in kept.iterdir()) == ["run1.log", "run1.xml", "run2.log", "run2.xml"]
+    # the failing run's traceback is in its log, the passing run's log has none
+    assert "fails on even runs" in (kept / "run1.log").read_text()
+    assert "fails on even runs" not in (kept / "run2.log").read_text()
