@@ -78,8 +78,9 @@ def _case(setting: str, rate: float, steps: int, rounds: int) -> dict[str, Any]:
             str(steps), "--max-rounds", str(rounds * fragments), "--eval-every", "0", "--fragments", str(fragments),
             "--fragment-delay", str(delay), "--overlap", "eager" if eager else "none", *CODECS[codec],
             "--matchmaking-time-s", "5", "--matchmaking-timeout-s", "60", "--request-timeout-s", "4"]
-    # every peer from epoch 0 together: the first one up must not apply rounds alone (tests' START_TOGETHER)
-    together = {i: {"P2P_DILOCO_FAULTS": "slow_steps@0=0.4"} for i in range(1, PEERS + 1)}
+    # every peer from epoch 0 together: the first one up must not apply rounds alone (the fault start_together:
+    # each begins once it sees every peer's progress record)
+    together = {i: {"P2P_DILOCO_FAULTS": f"start_together@0={PEERS}"} for i in range(1, PEERS + 1)}
     began = time.time()
     with Testbed(PEERS + 1, rate) as bed:
         procs = start_swarm(bed, out, PEERS, args, peer_env=together)

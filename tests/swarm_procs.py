@@ -27,15 +27,18 @@ FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "-
         "--eval-batches", "2", "--eval-every", "1", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--local-steps", "10", "--min-local-steps", "10"]
 
 
-START_TOGETHER = "slow_steps@0=0.4"
-"""``P2P_DILOCO_FAULTS`` entry for peers a test starts at once and needs in one group from epoch 0.
+def start_together(peers: int) -> str:
+    """``P2P_DILOCO_FAULTS`` entry for ``peers`` peers a test starts at once and needs in one group from epoch 0.
 
-Their processes come up 1-2 s apart, and a round of 10 FAST steps takes about a second: the first peer up read
-no record of the others and applied its own round alone ("no other peer visible"), or led a group of those
-whose records it had read, formed early, and the last one up missed epoch 0 and then the next while it
-downloaded the state (seen in CI rehearsals: faults, kill-and-resume, port-forwarded and unreachable home
-peers). 0.4 s after each step of epoch 0 (4 s in all) lets every record be read before anyone matchmakes; it
-writes no fault event, and later epochs run at full speed."""
+    Their processes come up seconds apart (1-2 s on an idle machine, 8 s seen with two test files at a time),
+    and a round of 10 FAST steps takes about a second: the first peer up read no record of the others and
+    applied its own round alone ("no other peer visible"), or led a group of those whose records it had read,
+    formed early, and the last one up missed epoch 0 and then the next while it downloaded the state (seen in
+    CI rehearsals: faults, kill-and-resume, port-forwarded and unreachable home peers). A fixed sleep in every
+    step of epoch 0 (the fault ``slow_steps@0=0.4``, 4 s in all) covered the usual gap and not the 8 s one.
+    ``start_together`` waits for the event itself: each peer begins epoch 0 once all ``peers`` progress
+    records are visible to it, so its first round reads every one of them (``peer.faults``)."""
+    return f"start_together@0={peers}"
 
 # Round outcomes after which a peer holds the swarm's parameters for the round's new epoch.
 SYNCED = tuple(o.value for o in Outcome if o.synced)
@@ -125,12 +128,13 @@ def assert_loss_fell(tmp: Path, names: list[str], by: float) -> None:
         assert last < untrained[0] - by, (name, untrained, last)
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
+def wait_for(predicate, timeout: float, what: str, every: float = 0.2) -> None:
+    """Return once ``predicate()`` holds, read every ``every`` s; fail naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.2)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 

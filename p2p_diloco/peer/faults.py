@@ -19,13 +19,17 @@ entries, optionally ``ACTION@EPOCH=VALUE``:
   FACTOR and the others the true one (equivocation; a FACTOR below 1 stays within every bound). The
   completion check must catch it: nobody applies the round, that groupmate bans this peer;
 - ``stall_leader@E=SECONDS``: as the leader of the epoch-E group, block the averager's event loop for SECONDS
-  right before assembling the group (an overloaded machine). Its followers must still be there.
+  right before assembling the group (an overloaded machine). Its followers must still be there;
+- ``start_together@E=N``: before the first inner step of epoch E, wait until N peers' progress records of this
+  run and model are visible, this peer's own included (at most ``START_TOGETHER_MAX_S``). Peers started at once
+  that must average from epoch 0 then all begin it together, however far apart their processes came up: the
+  condition the first round reads (who is visible, who is due), not a guess at how long start-up takes.
 
 Faults outside one peer (a partition, losing the bootstrap node) are driven by the tests themselves.
 
-Each fault that fires writes a ``fault`` event to the run log first, so a test can assert it fired. A fault
-fires once (a skipped round is retried in the same epoch and must not meet the fault again), except
-``slow_steps``, which slows every inner step of its epoch.
+Each fault that fires writes a ``fault`` event to the run log first, so a test can assert it fired (``slow_steps``
+and ``start_together`` only pace a peer and write none). A fault fires once (a skipped round is retried in the
+same epoch and must not meet the fault again), except ``slow_steps``, which slows every inner step of its epoch.
 """
 
 from __future__ import annotations
@@ -54,8 +58,16 @@ ACTIONS = (
     "hostile_reducer",
     "equivocate",
     "stall_leader",
+    "start_together",
 )
-_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine", "hostile_reducer", "equivocate", "stall_leader")
+_NEEDS_VALUE = ("slow_steps", "slow_sender", "byzantine", "hostile_reducer", "equivocate", "stall_leader",
+                "start_together")
+
+START_TOGETHER_MAX_S = 300.0
+"""Longest wait of ``start_together`` for the others' records: then the peer starts anyway (a peer that never
+came up must not hold the others for the whole test; the test's own assertions then say what went wrong)."""
+START_TOGETHER_POLL_S = 0.2
+"""How often ``start_together`` reads the records while it waits (one DHT read each)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,10 @@ class FaultHooks(Protocol):
 
     def after_inner_step(self) -> None:
         """After every inner step (``slow_steps``)."""
+
+    def before_phase(self, visible_peers: Callable[[], int]) -> None:
+        """Before an inner phase, once its epoch is set (``start_together``); ``visible_peers`` reads how many
+        peers' progress records of this run and model are visible, this peer's own included."""
 
     def before_allreduce(self) -> None:
         """Right before this peer's work is sent (``kill_before_allreduce``)."""
@@ -171,6 +187,14 @@ class FaultPlan(FaultHooks):
         fault = self._find("slow_steps")
         if fault:
             time.sleep(fault.value)
+
+    def before_phase(self, visible_peers: Callable[[], int]) -> None:
+        fault = self._find("start_together")
+        if not fault:
+            return
+        deadline = time.monotonic() + START_TOGETHER_MAX_S
+        while visible_peers() < fault.value and time.monotonic() < deadline:
+            time.sleep(START_TOGETHER_POLL_S)
 
     def averager_hook(self, stage: str) -> bool | float | None:
         """Runs inside the averager process (see ``swarm.runner.FaultHook``)."""

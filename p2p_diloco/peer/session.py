@@ -279,6 +279,7 @@ class SwarmSession:
         self.swarm.check_alive()
         self.driver.begin()
         self.faults.set_epoch(self.epoch)
+        self.faults.before_phase(self._visible_peers)
         self._phase_began = time.monotonic()
         self.port.view.notify("status", "training", self.epoch)
 
@@ -289,6 +290,13 @@ class SwarmSession:
         self.faults.after_inner_step()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self._publish_progress()
+
+    def _visible_peers(self) -> int:
+        """Peers whose progress records of this run and model are visible, this one's included (the fault
+        ``start_together`` waits on it); this peer's own record is republished when due, as while it trains."""
+        if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
+            self._publish_progress()
+        return len(self.swarm.records())
 
     def end_round(self, stats: InnerStats) -> RoundReport:
         """Average this phase's work with the swarm and apply the outer step (see the round policy)."""

@@ -320,6 +320,7 @@ class StreamingSession(SwarmSession):
         """Start an inner phase: the parameters train on (each fragment's round resets only its own)."""
         self.swarm.check_alive()
         self.faults.set_epoch(self.epoch)
+        self.faults.before_phase(self._visible_peers)
         self._phase_began = time.monotonic()
         self._notify("status", "training", self.epoch)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration
-from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all, wait_for
+from swarm_procs import events, start_bootstrap, start_peer, start_together, tail, wait_all, wait_for
 
 from p2p_diloco.swarm import SwarmConfig, fetch_progress, start_dht
 from p2p_diloco.swarm.protocol import averager_prefix
@@ -122,10 +122,10 @@ def test_a_swarm_of_only_clients_says_nobody_can_reduce(tmp_path: Path) -> None:
         # Each must see the other before its first inner phase ends: a peer that sees nobody then goes on alone
         # (a solo round, "averaged" in a group of 1), which is right for the first peer of a swarm but not
         # what this test is about. Ten steps take about a second, less than two interpreters' start-up can
-        # differ by (seen in CI: x stepped alone); 0.8 s per step makes the phase 8 s.
+        # differ by (seen in CI: x stepped alone): each begins once it sees both records (start_together).
         for name in "xy":
             procs[name] = start_peer(tmp_path, name, maddr, *RUN, "--client-mode", "true", "--max-rounds", "1",
-                                     faults="slow_steps@0=0.8")
+                                     faults=start_together(2))
         codes = wait_all(procs, 180)
     finally:
         for proc in procs.values():

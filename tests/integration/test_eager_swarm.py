@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from swarm_procs import events, start_bootstrap, start_peer, tail, wait_all
+from swarm_procs import events, start_bootstrap, start_peer, start_together, tail, wait_all
 
 pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -41,11 +41,11 @@ def _q(theta: list[torch.Tensor], own: list[torch.Tensor], share: float) -> torc
 def test_eager_peers_differ_exactly_by_the_own_term(tmp_path: Path) -> None:
     boot, maddr = start_bootstrap(tmp_path)
     try:
-        # a and b from epoch 0 together (START_TOGETHER's 4 s, spread over 40 steps here): in a run with two
-        # tests at a time b came up 2 s before a, applied epoch 0 alone ("no other peer visible"), a downloaded
-        # epoch 2, and their launches never met again (every round own_only)
+        # a and b from epoch 0 together (start_together): in a run with two tests at a time b came up 2 s
+        # before a, applied epoch 0 alone ("no other peer visible"), a downloaded epoch 2, and their launches
+        # never met again (every round own_only)
         procs = {name: start_peer(tmp_path, name, maddr, *EAGER, "--checkpoint-dir", str(tmp_path / f"ck-{name}"),
-                                  "--checkpoint-every", "1", faults="slow_steps@0=0.1")
+                                  "--checkpoint-every", "1", faults=start_together(2))
                  for name in "ab"}
         codes = wait_all(procs, 360)
     finally:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from swarm_procs import (
-    START_TOGETHER,
     SYNCED,
     assert_loss_fell,
     check_rounds,
@@ -24,6 +23,7 @@ from swarm_procs import (
     kill_tree,
     start_bootstrap,
     start_peer,
+    start_together,
     tail,
     wait_all,
     wait_for,
@@ -42,9 +42,9 @@ def test_faults_by_peer_and_epoch_keep_honest_peers_in_sync(tmp_path: Path) -> N
     boot, maddr = start_bootstrap(tmp_path)
     try:
         # Every fault below is keyed to an epoch all three must average together, so all three must be in
-        # the group of epoch 0 (START_TOGETHER; a CI run without it: c missed epochs 0 and 1, and its NaN never
+        # the group of epoch 0 (start_together; a CI run without it: c missed epochs 0 and 1, and its NaN never
         # fired), and arrive within the matchmaking window: 6 s here, peers up to 1.7 s apart seen here.
-        start = START_TOGETHER + ","
+        start = start_together(3) + ","
         common = ("--run-id", "f1", "--matchmaking-time-s", "6")
         procs = {
             # a gets one round of slack: it must reach epoch 5 even if one round is lost to chance

@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from swarm_procs import FAST, START_TOGETHER
+from swarm_procs import FAST, start_together
 
 from benchmarks.testbed import MADDR, Testbed, missing_requirements, start_swarm, wait_peers
 from p2p_diloco.cli.run_bootstrap import READY_LINE
@@ -84,10 +84,10 @@ def _tail(out: Path, name: str) -> str:
 
 
 def _together(peers: int) -> dict[int, dict[str, str]]:
-    """Every peer's environment for a swarm started at once that must average from epoch 0 (START_TOGETHER: a
+    """Every peer's environment for a swarm started at once that must average from epoch 0 (start_together: a
     CI rehearsal without it saw a port-forwarded peer miss epochs 0-3, and an unreachable peer up first apply
     its first round alone)."""
-    return {i: {"P2P_DILOCO_FAULTS": START_TOGETHER} for i in range(1, peers + 1)}
+    return {i: {"P2P_DILOCO_FAULTS": start_together(peers)} for i in range(1, peers + 1)}
 
 
 def _run(bed: Testbed, out: Path, extra: dict[int, list[str]], relay: bool,

@@ -60,6 +60,20 @@ def test_partitioned_peer_keeps_its_work_and_rejoins_without_split_brain(tmp_pat
                  and all(any(r["outcome"] == "averaged" and r["group_size"] >= 2
                              for r in events(tmp_path, n, "round")) for n in ("peer1", "peer2")), 240,
                  "peer3 at epoch 2, and the others averaging in a group")
+        # The cut falls inside peer 3's inner phase, never inside a round: a round's record is written after the
+        # round (and its evaluation), so a round that averaged just before the cut was recorded after it (seen
+        # with two test files at a time: the group of 3 averaged 0.1 s before the cut, peer 3's record of it came
+        # 0.1 s after, and it counted as a round of the partition). So the cut waits for peer 3's next record,
+        # and one of the newest epoch anyone recorded: peer 3 then trains that epoch's 10 steps, and the cut
+        # comes within one read (50 ms) of the record.
+        recorded = len(events(tmp_path, "peer3", "round"))
+
+        def peer3_just_began_the_newest_epoch() -> bool:
+            rounds = {n: events(tmp_path, n, "round") for n in ("peer1", "peer2", "peer3")}
+            newest = max(r["new_epoch"] for rows in rounds.values() for r in rows)
+            return len(rounds["peer3"]) > recorded and rounds["peer3"][-1]["new_epoch"] == newest
+
+        wait_for(peer3_just_began_the_newest_epoch, 120, "peer3 to record a round of the newest epoch", every=0.05)
         bed.set_link(3, up=False)
         cut = time.time()
         cut_epoch = {n: max(r["new_epoch"] for r in events(tmp_path, n, "round")) for n in ("peer1", "peer2")}

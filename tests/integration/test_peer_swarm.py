@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from swarm_procs import (
-    START_TOGETHER,
     SYNCED,
     assert_loss_fell,
     events,
     start_bootstrap,
     start_peer,
+    start_together,
     tail,
     wait_all,
     wait_for,
@@ -63,17 +63,17 @@ def test_three_peers_train_fold_late_work_and_admit_a_joiner(tmp_path: Path) -> 
     args = ("--run-id", "t1", "--max-rounds", "60", "--max-staleness", "1000")
     try:
         procs |= {
-            # a, b and c from epoch 0 together (START_TOGETHER): in a CI rehearsal a came up first, stepped epochs
+            # a, b and c from epoch 0 together (start_together): in a CI rehearsal a came up first, stepped epochs
             # 0 and 1 alone ("no other peer visible"), b and c joined at epoch 2 by download, so c's slow epoch 1
             # never came and no late work was ever folded
-            "a": start_peer(tmp_path, "a", maddr, *args, faults=START_TOGETHER),
-            "b": start_peer(tmp_path, "b", maddr, *args, faults=START_TOGETHER),
+            "a": start_peer(tmp_path, "a", maddr, *args, faults=start_together(3)),
+            "b": start_peer(tmp_path, "b", maddr, *args, faults=start_together(3)),
             # c is slowed during epoch 1 so it misses that round and must fold its work into a later one. After
             # its state download it starts late, and plans fewer steps to arrive with the others (DyLU's late
             # start, ``core.dylu.late_start_steps``): held at H it would arrive after their window closed every
             # round, chasing the swarm until its late work grew older than --max-staleness.
             "c": start_peer(tmp_path, "c", maddr, *args, "--min-local-steps", "2",
-                            faults=f"{START_TOGETHER},slow_steps@1=0.8"),
+                            faults=f"{start_together(3)},slow_steps@1=0.8"),
         }
         wait_for(lambda: any(r["new_epoch"] >= 2 for r in events(tmp_path, "a", "round")), 300, "epoch 2 at a")
         # d trains until stopped too: a round it joins may split in two groups, and the checksum vote repairs
@@ -153,14 +153,14 @@ def test_kill_during_allreduce_then_resume(tmp_path: Path) -> None:
     # ended at its own deadline ("no group formed"); a and c waited out their all-reduce deadline (20 s, skipped,
     # nothing applied) and, at 5 rounds, stopped at epoch 3. Open in issue 37's note.
     try:
-        # all three from epoch 0 (START_TOGETHER): b must have checkpointed rounds to resume from (a CI run
+        # all three from epoch 0 (start_together): b must have checkpointed rounds to resume from (a CI run
         # without it: c, up first, applied epochs 0 and 1 alone, and b joined at epoch 2 and died in its first)
         procs = {
-            "a": start_peer(tmp_path, "a", maddr, "--run-id", "t2", "--max-rounds", "6", faults=START_TOGETHER),
+            "a": start_peer(tmp_path, "a", maddr, "--run-id", "t2", "--max-rounds", "6", faults=start_together(3)),
             "b": start_peer(tmp_path, "b", maddr, "--run-id", "t2", "--max-rounds", "5",
                             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
-                            faults=f"{START_TOGETHER},kill_during_allreduce@2"),
-            "c": start_peer(tmp_path, "c", maddr, "--run-id", "t2", "--max-rounds", "6", faults=START_TOGETHER),
+                            faults=f"{start_together(3)},kill_during_allreduce@2"),
+            "c": start_peer(tmp_path, "c", maddr, "--run-id", "t2", "--max-rounds", "6", faults=start_together(3)),
         }
         procs["b"].wait(timeout=240)
         assert procs["b"].returncode == -9, tail(tmp_path, "b")

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarm_procs import START_TOGETHER, env, events, start_bootstrap, start_peer, tail, wait_all, wait_for
+from swarm_procs import env, events, start_bootstrap, start_peer, start_together, tail, wait_all, wait_for
 
 from p2p_diloco.swarm.dht import ensure_identity
 
@@ -35,7 +35,7 @@ catch-up needs c exactly one round behind, and how much slower than a and b that
 speed and load (with 1 s per step at every third epoch, an idle machine's a and b ran 3 rounds ahead each time
 and c always downloaded the whole state). One of the steps of the ramp lands on one round."""
 AFTER = 3
-# All three start together (swarm_procs.START_TOGETHER): in a CI rehearsal a came up first, applied its first round
+# All three start together (swarm_procs.start_together): in a CI rehearsal a came up first, applied its first round
 # alone, and b and c downloaded epoch 1 at start, c mostly from the relay (listed first by its priority), which it
 # then credited as a newcomer that trusts nobody does (core.evidence; until its first round). That is the design,
 # not the attack this test is about, and the credit check below would fail on it.
@@ -87,7 +87,7 @@ def test_a_relay_that_served_a_catch_up_cannot_then_capture_the_swarm(tmp_path: 
     # fetch it within that to serve it on
     args = ("--run-id", "cap", "--max-rounds", "200", *(("--trusted-peers", str(trusted)) if organisers else ()))
     procs = {n: start_peer(tmp_path, n, maddr, *args, "--identity-path", str(tmp_path / f"{n}.key"),
-                           faults=f"{START_TOGETHER},{SLOW}" if n == "c" else START_TOGETHER) for n in NAMES}
+                           faults=f"{start_together(3)},{SLOW}" if n == "c" else start_together(3)) for n in NAMES}
     out = tmp_path / "relay.json"
     relay = subprocess.Popen([sys.executable, str(RELAY), maddr, "cap", str(tmp_path / "relay"), str(out)],
                              stdout=open(tmp_path / "relay.out", "w"), stderr=subprocess.STDOUT, env=env())

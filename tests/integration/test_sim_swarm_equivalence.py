@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_procs import FAST, events, start_bootstrap, start_peer, tail, wait_all
+from swarm_procs import FAST, events, start_bootstrap, start_peer, start_together, tail, wait_all
 
 from p2p_diloco.checkpoint import load_latest
 from p2p_diloco.cli.common import make_parser, parse_config
@@ -33,12 +33,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROUNDS = 4
 TIMING = ["--matchmaking-time-s", "15", "--matchmaking-timeout-s", "40", "--target-group-size", "3",
           "--max-rounds", str(ROUNDS), "--eval-every", "0", "--run-id", "eq"]
-SWARM_FAULTS = {"a": "slow_steps@0=0.5", "b": "slow_steps@0=0.5", "c": "slow_steps@0=0.5,slow_steps@1=2.1"}
+SWARM_FAULTS = {"a": start_together(3), "b": start_together(3), "c": f"{start_together(3)},slow_steps@1=2.1"}
 SIM_FAULTS = ["late@1:2"]
 
 
 EAGER_TIMING = [*TIMING[:-1], "eqe", "--overlap", "eager"]
-EAGER_FAULTS = {n: "slow_steps@0=0.5" for n in "abc"}
+EAGER_FAULTS = {n: start_together(3) for n in "abc"}
 
 
 def _swarm_then_simulator(tmp_path: Path, timing: list[str], swarm_faults: dict[str, str], expected: dict,

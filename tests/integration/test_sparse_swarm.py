@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from swarm_procs import START_TOGETHER, SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
+from swarm_procs import SYNCED, events, start_bootstrap, start_peer, start_together, tail, wait_all, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -28,10 +28,10 @@ def test_three_peers_with_the_sparse_codec_keep_identical_parameters(tmp_path: P
     boot, maddr = start_bootstrap(tmp_path)
     procs = {}
     try:
-        # all three from epoch 0 (START_TOGETHER): in a CI rehearsal c came up first, applied epochs 0-3 alone,
+        # all three from epoch 0 (start_together): in a CI rehearsal c came up first, applied epochs 0-3 alone,
         # a and b joined at epoch 4, and c's 6 rounds ended after 2 with all three
         procs = {name: start_peer(tmp_path, name, maddr, "--run-id", "sparse", "--max-rounds", "6", *SPARSE,
-                                  faults=START_TOGETHER)
+                                  faults=start_together(3))
                  for name in "abc"}
         codes = wait_all(procs, 480)
     finally:
@@ -75,12 +75,12 @@ def test_late_work_folds_with_the_sparse_codec(tmp_path: Path) -> None:
     procs = {}
     args = ("--run-id", "sparse-late", "--max-rounds", "1000", "--max-staleness", "1000", *SPARSE)
     try:
-        # all three from epoch 0 (START_TOGETHER): started apart, a and b stepped on while c came up, c joined
+        # all three from epoch 0 (start_together): started apart, a and b stepped on while c came up, c joined
         # them by download past epoch 1, its slowdown never fired and nothing was ever late (a CI run: c averaged
         # 345 rounds in groups of 3 and folded nothing)
-        procs = {"a": start_peer(tmp_path, "a", maddr, *args, faults=START_TOGETHER),
-                 "b": start_peer(tmp_path, "b", maddr, *args, faults=START_TOGETHER),
-                 "c": start_peer(tmp_path, "c", maddr, *args, faults=f"{START_TOGETHER},slow_steps@1=0.8")}
+        procs = {"a": start_peer(tmp_path, "a", maddr, *args, faults=start_together(3)),
+                 "b": start_peer(tmp_path, "b", maddr, *args, faults=start_together(3)),
+                 "c": start_peer(tmp_path, "c", maddr, *args, faults=f"{start_together(3)},slow_steps@1=0.8")}
         try:
             wait_for(lambda: any(r["outcome"] == "folded_late" for r in events(tmp_path, "c", "round")), 400,
                      "c's late work folded")

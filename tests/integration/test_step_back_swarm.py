@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from swarm_procs import START_TOGETHER, events, start_bootstrap, start_peer, tail, wait_all
+from swarm_procs import events, start_bootstrap, start_peer, start_together, tail, wait_all
 
 pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -32,7 +32,7 @@ def test_two_due_peers_arriving_as_an_early_peers_window_ends_both_average_with_
     boot, maddr = start_bootstrap(tmp_path)
     args = ("--run-id", "stepback", "--max-rounds", str(ROUNDS))
     procs = {n: start_peer(tmp_path, n, maddr, *args,
-                           faults=START_TOGETHER if n == "c" else f"{START_TOGETHER},{LATE}") for n in NAMES}
+                           faults=start_together(3) if n == "c" else f"{start_together(3)},{LATE}") for n in NAMES}
     try:
         codes = wait_all(procs, 240)
     finally:

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from swarm_procs import START_TOGETHER, SYNCED, events, start_bootstrap, start_peer, tail, wait_all, wait_for
+from swarm_procs import SYNCED, events, start_bootstrap, start_peer, start_together, tail, wait_all, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
@@ -44,9 +44,9 @@ def test_three_peers_average_fragments_in_turn_and_a_joiner_catches_up_per_fragm
     boot, maddr = start_bootstrap(tmp_path)
     procs: dict = {}
     try:
-        # a, b, c from fragment epoch 0 together (START_TOGETHER: the first peer up must not apply rounds alone)
+        # a, b, c from fragment epoch 0 together (start_together: the first peer up must not apply rounds alone)
         args = ("--run-id", "stream", *FRAGMENTS)
-        procs = {name: start_peer(tmp_path, name, maddr, *args, "--max-rounds", "200", faults=START_TOGETHER)
+        procs = {name: start_peer(tmp_path, name, maddr, *args, "--max-rounds", "200", faults=start_together(3))
                  for name in "abc"}
 
         def full_rounds(name: str) -> list[dict]:
@@ -99,7 +99,7 @@ def test_with_a_fragment_delay_the_allreduce_overlaps_training_and_every_fragmen
     procs: dict = {}
     try:
         args = ("--run-id", "overlap", *FRAGMENTS, "--fragment-delay", "2", "--fragment-alpha", "0.5")
-        procs = {name: start_peer(tmp_path, name, maddr, *args, "--max-rounds", "8", faults=START_TOGETHER)
+        procs = {name: start_peer(tmp_path, name, maddr, *args, "--max-rounds", "8", faults=start_together(3))
                  for name in "abc"}
         codes = wait_all(procs, 360)
     finally:
