@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from p2p_diloco.core.rounds import Outcome
@@ -128,14 +129,15 @@ def assert_loss_fell(tmp: Path, names: list[str], by: float) -> None:
         assert last < untrained[0] - by, (name, untrained, last)
 
 
-def wait_for(predicate, timeout: float, what: str, every: float = 0.2) -> None:
-    """Return once ``predicate()`` holds, read every ``every`` s; fail naming ``what`` after ``timeout`` s."""
+def wait_for(predicate, timeout: float, what: str | Callable[[], str], every: float = 0.2) -> None:
+    """Return once ``predicate()`` holds, read every ``every`` s; fail naming ``what`` after ``timeout`` s (a
+    callable is called then: the peers' logs as they are at the failure, not as they were when the wait began)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
 
 
 def tail(tmp: Path, name: str, n: int = 3000) -> str:

@@ -72,7 +72,8 @@ def test_export_and_eval_from_a_live_swarm_and_its_checkpoints(tmp_path: Path,
                                      "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"), "--keep-checkpoints", "50", "--checkpoint-every", "1",
                                      *tracking)
         wait_for(lambda: all(any(r["outcome"] == "averaged" and r["group_size"] == 2 for r in events(tmp_path, n, "round"))
-                             for n in ("a", "b")), 240, "a round averaged by both peers: " + tail(tmp_path, "a", 600))
+                             for n in ("a", "b")), 240,
+                 lambda: "a round averaged by both peers: " + tail(tmp_path, "a", 600))
         swarm = [*run, "--initial-peers", maddr]
         capsys.readouterr()
         assert export.main([*swarm, "--output", str(tmp_path / "live")]) == 0, capsys.readouterr().err
