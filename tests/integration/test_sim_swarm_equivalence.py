@@ -4,8 +4,8 @@ round by round, and the same parameters in the ``swarm`` simulation mode and in 
 The schedule: peer c is late in epoch 1 (the swarm fault ``slow_steps@1``, the simulator's ``late@1:2``). Its
 groupmates average without it; c finds the swarm ahead, downloads the state (``resynced``) and folds its work
 into epoch 2 (``folded_late``). The real peers' timings leave room for loopback and a loaded host:
-``slow_steps@0`` gives every peer time to see the others before its first round ends, the matchmaking window
-(15 s, groups of 3 form at once) absorbs start-up skew, and c's slow phase (21 s) outlasts it. The simulator
+every peer begins epoch 0 once it sees the others' records (``start_together``), the matchmaking window (15 s,
+groups of 3 form at once) absorbs what skew is left, and c's slow phase (21 s) outlasts it. The simulator
 then trains on the very data shards the peers trained on (a peer's shard is named by its peer id).
 
 The eager schedule (``--overlap eager``, no fault past the start): each round collects the previous round's
