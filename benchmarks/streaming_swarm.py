@@ -143,46 +143,53 @@ def report(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-READING = """Reading it (the run of 2026-11-28 08:31 UTC, on an otherwise idle machine). Each fragment round sends
-its fragment's share: 1/2 and 1/4 of DiLoCo's bytes per round at F = 2 and 4, and every setting sent 14.8-15.5 MB
-per peer over the rounds counted. That burst is what Streaming DiLoCo shrinks. On this fixed link the rate
-while sending is capped by the link whatever F is, and it fell with F (13.9, 11.7, 9.4 Mbit/s): a shorter
-all-reduce spends a larger share of its time setting up. With τ = 0 each fragment round blocks training like a
-whole round, and what a round costs besides its bytes (matchmaking, the group's set-up and completion check)
-is paid F times per H steps: training was blocked 3.26 s per 40 steps with DiLoCo, 5.16 s at F = 2 and 5.80 s
-at F = 4, so utilization fell (47.9%, 42.4%, 40.1%; 40 tiny steps take about 3 s, so every setting here is
-bound by the network). So in the swarm today fragments trade compute for a smaller burst: use them where the
-burst itself is the problem (a router or uplink that drops or stalls under a long saturating transfer, other
-traffic that must get through), not to train faster, unless each fragment's all-reduce overlaps the next τ
-steps (next section: 96.7% at τ = H / 2F with 400-step phases). An earlier run (04:01 UTC, with two stray
-processes using about one core) measured 3.35, 4.08 and 5.73 s blocked: the ordering holds, the F = 2 figure
-moves by a second between runs."""
+READING = """Reading it (two runs on an otherwise idle machine, 22:30-22:34 and 23:08-23:12 UTC; the table is the second,
+whose peers began once every one's record was visible). Each fragment round sends its fragment's share: 1/2 and
+1/4 of DiLoCo's bytes per round at F = 2 and 4, and every setting sent 15.1 MB per peer over the rounds counted.
+That burst is what Streaming DiLoCo shrinks. On this fixed link the rate while sending is capped by the link
+whatever F is, and it fell with F (11.7, 11.3, 8.9 Mbit/s; the first run 12.8, 11.5, 9.4): a shorter all-reduce
+spends a larger share of its time setting up. With τ = 0 each fragment round blocks training like a whole round,
+and what a round costs besides its bytes (matchmaking, the group's set-up and completion check) is paid F times
+per H steps: training was blocked 3.80 s per 40 steps with DiLoCo, 5.09 s at F = 2 and 6.05 s at F = 4 (first
+run: 3.71, 4.82, 5.91), so utilization fell (44.2%, 35.0%, 34.5%; first run 43.7%, 38.0%, 34.8%; 40 tiny steps
+take about 3 s, so every setting here is bound by the network). So in the swarm today fragments trade compute
+for a smaller burst: use them where the burst itself is the problem (a router or uplink that drops or stalls
+under a long saturating transfer, other traffic that must get through), not to train faster, unless each
+fragment's all-reduce overlaps the next τ steps (next section: 97.4% at τ = H / 2F with 400-step phases). Two
+runs in another session (04:01 UTC with two stray processes using about one core, and 08:31 UTC, idle; peers
+then began after a fixed 4 s) measured 3.35, 4.08, 5.73 and 3.26, 5.16, 5.80 s blocked, and 47.9%, 42.4%,
+40.1% in the idle one: the ordering holds in all four runs, while a figure moves by up to 1.1 s of blocking and
+7.4 points of utilization between runs and machines. What made the other session's utilization higher was not
+looked into."""
 
-READING_OVERLAP = """Reading it (the run of 2026-11-28 11:44-12:07 UTC, on an otherwise idle machine; phases of 400 steps, as
+READING_OVERLAP = """Reading it (the run of 2026-11-28 22:44-22:57 UTC, on an otherwise idle machine; phases of 400 steps, as
 the eager measurement above, so each fragment phase is 100 steps, about 9 s of tiny steps on a core shared by
-two peers). A blocking DiLoCo round took 6.6 s of every 40 s from training (82.4%); eager hid it (99.7%). Four
-fragments at τ = 0 blocked longest (13.8 s per H: four rounds' set-up, each about 1 s of matchmaking and
-completion beside a 2.5 s all-reduce): 70.7%. With τ = 50 steps (half a fragment phase, about 4.5 s) each
-fragment's round ran behind the next 50 steps and the training thread waited 0-1.5 s at a merge (1.28 s per
-H): 96.7%, every round a group of all 4. With τ = 100 (= H / F: the sync at the phase's start) nothing
-waited (99.3%), but nothing held the peers together either: rounds took 4-10 s to match as the peers' phases
-drifted apart, peer 4 fell out of a group in the 6th round and resynced five rounds in a row, and only 1 of the
-8 steady rounds had all 4 (each phase ends where its own exchange lands, so a peer that is late stays late).
-So in the swarm choose τ at about half of H / F: it hides most of the round, and the wait at the merge keeps
-the peers in step. Numbers are one run each; from the eager case on the run used the working tree of commit
-5c87b45 (a cut peer's record proves it alive); no round of the first four cases cut a peer, so that change did
-not act there."""
+two peers). A blocking DiLoCo round took 6.3 s of every 40 s from training (83.7%); eager hid it (99.8%). Four
+fragments at τ = 0 blocked longest (12.7 s per H: four rounds' set-up, each about 1 s of matchmaking and
+completion beside a 2.2 s all-reduce): 73.7%. With τ = 50 steps (half a fragment phase, about 4.5 s) each
+fragment's round ran behind the next 50 steps and the training thread waited 0-2.7 s at a merge (median 0.2 s;
+0.78 s per H): 97.4%, every round a group of all 4, matched in 0.2-3.3 s. With τ = 100 (= H / F: the sync at
+the phase's start) the training thread seldom waited (97.4%; no wait in most rounds, one of 15.6 s), but
+nothing held the peers together either: steady rounds took a median 5.0 s to match (up to 10.6 s, one 22 s) as
+the peers' phases drifted apart; from the 7th round groups of 2 and 3 formed, peer 4 resynced three rounds in
+a row and peers 2 and 3 once each, and only 2 of the 8 steady rounds had all 4 (each phase ends where its own
+exchange lands, so a peer that is late stays late). So in the swarm choose τ at about half of H / F: it hides
+most of the round, and the wait at the merge keeps the peers in step. One run per setting; a run in another
+session (11:44-12:07 UTC) measured 82.4%, 99.7%, 70.7%, 96.7% and 99.3% with 1 of 8 steady rounds of all 4 at
+τ = 100: the same ordering and the same reading."""
 
-READING_TAU = """Reading it (the run of 2026-11-28 12:16-12:23 UTC, same testbed and flags as the τ = 0 table two sections
-up, whose DiLoCo, F = 2 and F = 4 rows it completes; a 30-second unit test ran beside its first case). These
-phases are short (H / F = 20 or 10 steps, 1.5 or 0.75 s of tiny steps), so τ = H / 2F hides only part of a round:
-with it, training was blocked 5.13 s per H at F = 2 and 5.54 s at F = 4 (5.16 and 5.80 at τ = 0), and
-utilization rose to 52.8% and 51.1% (42.4% and 40.1% at τ = 0, 47.9% DiLoCo): each round's bytes and set-up still
-take longer than τ steps. With the sparse codec (topk-sign, error feedback) a round sends about 1/128 of fp32
-(38,860 bytes against 4,960,360) and a fragment round 10,243 bytes, so the set-up is nearly all that is left:
-DiLoCo blocked 0.96 s per H (77.1%), four fragments 2.19 s at τ = 0 (60.8%) and 2.08 s at τ = 5 (67.6%). With
-a codec this small, fragments lower a burst that was already small and pay four set-ups; use them at fp32 or
-at the low-bit codecs, where the burst is what hurts."""
+READING_TAU = """Reading it (two runs, 22:36-22:43 and 23:12-23:18 UTC, on an otherwise idle machine, same testbed and flags
+as the τ = 0 table two sections up, whose DiLoCo, F = 2 and F = 4 rows it completes; the table is the second).
+These phases are short (H / F = 20 or 10 steps, 1.5 or 0.75 s of tiny steps), so τ = H / 2F hides only part of
+a round: training was still blocked 5.06 s per H at F = 2 (both runs) and 5.95 s at F = 4 (first run 6.42),
+against 4.82-5.09 and 5.91-6.05 s at τ = 0, and utilization rose only a little: 41.5% and 36.1% (first run
+41.2% and 36.5%) against 35.0-38.0% and 34.5-34.8% at τ = 0 and 43.7-44.2% for DiLoCo. Each round's bytes and
+set-up take longer than τ steps. With the sparse codec (topk-sign, error feedback) a round sends about 1/128 of
+fp32 (38,860 bytes against 4,960,360) and a fragment round 10,243 bytes, so the set-up is nearly all that is
+left: DiLoCo blocked 0.86 s per H (75.2%; first run 0.93 s, 75.0%), four fragments 1.66 s at τ = 0 (61.8%;
+first run 2.50 s, 63.8%) and 1.66 s at τ = 5 (66.5%; first run 2.04 s, 67.7%). With a codec this small,
+fragments lower a burst that was already small and pay four set-ups; use them at fp32 or at the low-bit codecs,
+where the burst is what hurts."""
 
 READINGS = {"streaming_swarm": READING, "streaming_swarm_overlap": READING_OVERLAP, "streaming_swarm_tau": READING_TAU}
 """What each stored run showed, by ``--name`` (written once its numbers were seen)."""
@@ -208,6 +215,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     right.bar(names, blocked, color="tab:red")
     right.set_ylabel(f"s blocked per H = {data['local_steps']} steps")
     right.set_title("training blocked")
+    for axes in (left, right):  # names such as "F=4, τ=100" overlap when level
+        axes.tick_params(axis="x", labelrotation=25)
     fig.suptitle(f"{PEERS} peers, {data['rate_mbit']:g} Mbit/s links, tiny preset ({data['when']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
