@@ -179,7 +179,12 @@ async def _start_daemon(deadline: float, what: str, **options: Any) -> tuple[P2P
 
 def check_relay(relay_maddr: str, timeout_s: float = 20.0) -> RelayCheck:
     """Check the relay at ``relay_maddr`` (a full multiaddr with ``/p2p/<id>``) with a relayed stream past
-    libp2p's default limit. Bounded by ``timeout_s``; never raises."""
+    libp2p's default limit. Bounded by ``timeout_s``; never raises.
+
+    Call it where no other thread of this process forks meanwhile (as :func:`start_relay_dht` does, after its
+    DHT process started): a process forked while the check starts a throwaway daemon inherits the pipe through
+    which ``subprocess.Popen`` learns that the daemon started, and Popen then blocks until that process exits,
+    beyond any time limit (seen in a test that started the relay's DHT beside a check on a thread)."""
     try:
         return asyncio.run(asyncio.wait_for(_check(relay_maddr, timeout_s), timeout_s + 10.0))
     except Exception as e:
