@@ -321,9 +321,9 @@ class OuterConfig:
     ends before the next fragment's starts (one fragment in flight at a time). A swarm peer runs the all-reduce
     on a thread of its own meanwhile and waits at the merge step for what τ steps did not hide; that wait also
     keeps the peers in step, so choose about H / 2F there (4 peers, 10 Mbit/s, H = 400, F = 4: 96.7% and 97.4%
-    compute utilization at τ = 50 in two runs; at τ = 100 the peers drifted apart and rounds split). Measured in the simulator (tiny
-    preset, 4 workers, H = 12, F = 4, 3 seeds, fp32): τ = 2 halved the peak again (0.14x DiLoCo's) and cost 0.5%
-    of eval loss."""
+    compute utilization at τ = 50 in two runs; at τ = 100 the peers drifted apart and rounds split). Measured
+    in the simulator (tiny preset, 4 workers, H = 12, F = 4, 3 seeds, fp32): τ = 2 halved the peak again (0.14x
+    DiLoCo's) and cost 0.5% of eval loss."""
 
     fragment_alpha: float = 0.0
     """α, how a fragment's outer result merges with the local copy: params ← α·local + (1 − α)·global. 0 takes

@@ -132,8 +132,9 @@ print(json.dumps(dict(verdict=check.verdict.value, detail=check.detail)), flush=
 """
 """The check, in a process of its own. A thread of the test's process ran it until a failure in CI: the thread
 was inside ``subprocess.Popen`` for a throwaway daemon while the test's process forked the relay's DHT process,
-which inherited the pipe Popen waits on to learn that the daemon started, so Popen never returned (3 of 3
-runs here, the check's thread stuck in ``_execute_child``; its own time limit cannot stop a blocking call)."""
+which inherited the pipe Popen waits on to learn that the daemon started, so Popen never returned (4 of 4
+runs here with the fork and the retry together, the check's thread stuck in ``_execute_child``, the pipe open in
+the DHT process; the check's own time limit cannot stop a blocking call)."""
 
 
 def test_the_check_waits_for_a_relay_that_is_not_listening_yet(tmp_path) -> None:
