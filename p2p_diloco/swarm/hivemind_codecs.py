@@ -235,8 +235,9 @@ class CodecCompression(CompressionBase):
         return self.feedback_tensors is None or (isinstance(info.key, int) and info.key < self.feedback_tensors)
 
     def _message(self, buffer: bytes, tensor: torch.Tensor, dtype_name: str) -> runtime_pb2.Tensor:
+        # never autograd state on the wire: a receiver refuses a part or reply that carries the flag
         return runtime_pb2.Tensor(compression=self.compression_type, buffer=buffer, size=tensor.shape,
-                                  dtype=dtype_name, requires_grad=tensor.requires_grad)
+                                  dtype=dtype_name, requires_grad=False)
 
     def compress_average(self, tensor: torch.Tensor, info: CompressionInfo) -> runtime_pb2.Tensor:
         """A reducer's averaged part, encoded once for every member: the reply codec, no error feedback."""
@@ -322,8 +323,12 @@ class CodecCompression(CompressionBase):
             raise SparsePartError(f"more than k entries: the header claims {codec.k} of {codec.chunk_size}, "
                                   f"this swarm sends at most {self.codec.k} of {self.codec.chunk_size}")
         shape = tuple(serialized_tensor.size)
-        tensor = codec.decode(memoryview(buffer)[HEADER_NBYTES:], shape).to(dtype)
-        return tensor.requires_grad_(serialized_tensor.requires_grad)
+        with torch.no_grad():
+            tensor = codec.decode(memoryview(buffer)[HEADER_NBYTES:], shape).to(dtype)
+        # The wire's requires_grad flag is never taken (hivemind's own deserializer takes it): a tensor with
+        # autograd state, once copied into the shared buffers, would make them non-leaf and keep every later
+        # round's reply alive through their history.
+        return tensor.detach()
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         bits = torch.finfo(info.descriptor.dtype).bits if info.descriptor.dtype.is_floating_point else 32

@@ -53,8 +53,11 @@ def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compressio
     allocate and compute what it chose (a float16 or 8-bit claim decodes to 2-4x its bytes, a shape to any
     size). So the part must name the group's compression (``compression_type``, ``None``: any, for
     hivemind's adaptive compressions), exactly the expected ``shape``, and a buffer no longer than
-    ``MAX_WIRE_BYTES_PER_VALUE`` bytes per value.
+    ``MAX_WIRE_BYTES_PER_VALUE`` bytes per value. It must not set ``requires_grad``: hivemind's deserializer
+    would hand the flag on, and a decoded part with autograd state turns every tensor it reaches non-leaf.
     """
+    if part.requires_grad:
+        return "part carries autograd state (requires_grad), which no peer sends"
     if compression_type is not None and part.compression != compression_type:
         return f"part compressed as type {part.compression}, the group uses type {compression_type}"
     declared = tuple(part.size)
@@ -506,7 +509,8 @@ async def run_allreduce(runner: CountingAllReduceRunner, tensors: Sequence[torch
     """Run ``runner``, overwrite ``tensors`` with the averages, and return the faults this peer saw."""
     try:
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)
+            with torch.no_grad():  # the shared buffers stay leaves whatever reached the runner
+                tensor.copy_(averaged.detach())
     except Exception as e:
         return [f"all-reduce failed: {e!r}", *runner.faults()]
     return runner.faults()
