@@ -6,7 +6,9 @@ Roles:
 - "average": join one averaging round and write the RoundResult as JSON (with ``expect_due``, it first
   publishes its progress record, and the round waits for the peers due by the records it reads);
 - "donor": serve a (possibly corrupted, for tests) state until ``stop_path`` exists;
-- "joiner": download and verify the swarm's state and write what it got.
+- "joiner": download and verify the swarm's state and write what it got;
+- "rounds": average ``rounds`` rounds in a row (epochs 0, 1, ...) and write each round's result and the RSS of
+  this peer's averager process after it.
 
 Every wait is bounded: files are polled with a deadline and the peer exits on its own.
 """
@@ -22,8 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
-from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.compression import CompressionInfo, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.proto import runtime_pb2
 
 from p2p_diloco.peer.faults import FaultPlan, parse_faults
 from p2p_diloco.swarm.averager import RoundAverager
@@ -70,6 +74,16 @@ def kill_on_second_chunk(stage: str, served: list[int] = []) -> None:  # noqa: B
         served.append(1)
         if len(served) == 2:
             os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+class FlaggingCompression(NoCompression):
+    """A hostile member's codec: hivemind's plain one, with protobuf ``requires_grad`` set on every part and reply
+    it sends, which no honest peer does (issue 51, finding 1). The rest of that member is the project's own."""
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        message = super().compress(tensor, info, allow_inplace)
+        message.requires_grad = True
+        return message
 
 
 FAULT_HOOKS = {"kill_on_part_sent": kill_own_process_group, "deny_confirm": deny_completion,
@@ -204,6 +218,7 @@ def main() -> None:
         "none": NoCompression(),
         "float16": Float16Compression(),
         "uniform8bit": Uniform8BitQuantization(),
+        "flag_grad": FlaggingCompression(),  # hostile: see FlaggingCompression
     }
     compression = codecs[spec.get("compression", "none")]
     averager = RoundAverager(
@@ -232,6 +247,12 @@ def main() -> None:
         out["error"] = "no go signal"
     elif role == "average":
         out.update(run_average(spec, averager))
+    elif role == "rounds":  # ``rounds`` rounds in a row, epoch 0, 1, ...: each round's result and the averager's RSS
+        out["rounds"] = []
+        for epoch in range(spec["rounds"]):
+            result = run_average(dict(spec, epoch=epoch), averager)
+            result["averager_rss"] = psutil.Process(averager.pid).memory_info().rss
+            out["rounds"].append({k: v for k, v in result.items() if k not in ("fresh_mean", "stale_term")})
     elif role == "joiner":
         shapes = spec["shapes"]
         templates = (pattern(shapes, 0.0), pattern(shapes, 0.0))
