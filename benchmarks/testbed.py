@@ -47,9 +47,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from p2p_diloco.cli.run_bootstrap import READY_LINE
-from p2p_diloco.demo import announced
-
 logger = logging.getLogger(__name__)
 
 SUBNET = "10.77.0"
@@ -309,6 +306,11 @@ def install_signal_teardown() -> None:
 
 def wait_for_maddr(path: Path, proc: subprocess.Popen, timeout: float = 60.0) -> str:
     """The testbed address a bootstrap node prints once it is up (``demo.announced``)."""
+    # imported here, not at the top: the requirement check (``main``) must answer a user who cannot read the
+    # package's folder (not root, so no testbed) with its one line, before anything of the package is imported
+    from p2p_diloco.cli.run_bootstrap import READY_LINE
+    from p2p_diloco.demo import announced
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         maddr = announced(path.read_text(errors="replace"), READY_LINE, MADDR) if path.exists() else None
