@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
@@ -29,6 +30,8 @@ def _numel(shape: Sequence[int]) -> int:
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 0:
             raise ValueError(f"invalid shape {tuple(shape)}: dimensions must be integers >= 0")
         numel *= int(dim)
+    if math.prod(max(int(dim), 1) for dim in shape) >= 2**62:  # torch cannot even compute such a shape's strides
+        raise ValueError(f"invalid shape {tuple(shape)[:8]}: dimensions too large")
     return numel
 
 

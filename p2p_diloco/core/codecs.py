@@ -220,8 +220,10 @@ class Int8Codec(_BlockCodec):
         codes = np.frombuffer(view, dtype=np.int8, count=numel, offset=2 * nblocks)
         if np.any(codes == -128):
             raise ValueError("int8 data holds the unused code -128")
-        values = torch.from_numpy(codes.astype(np.float32))
-        return values.mul_(self._per_value_scales(scales, numel))
+        values = torch.from_numpy(codes.astype(np.float32)).mul_(self._per_value_scales(scales, numel))
+        if not bool(torch.isfinite(values).all()):  # a code of 127 at a scale above fp32's max / 127
+            raise ValueError("int8 data decodes to infinite values: a block scale too large for its codes")
+        return values
 
 
 # E3M0 magnitudes (codes 0..7) and the midpoints between neighbours for round-to-nearest.

@@ -295,11 +295,11 @@ class TopKCodec(_SparseBase):
 
     def _decode_flat(self, view: memoryview, numel: int) -> Tensor:
         chunks = self.num_chunks(numel)
-        lengths = _chunk_lengths(numel, self.chunk_size)
         head = chunks * self.count_bytes
-        if len(view) < head + 2 * self.levels * chunks:
+        if len(view) < head + 2 * self.levels * chunks:  # before anything is allocated per chunk
             raise SparsePartError(f"declared size disagrees with the bytes: {len(view)} bytes cannot hold the "
                                   f"counts and scales of {chunks} chunks")
+        lengths = _chunk_lengths(numel, self.chunk_size)
         counts = np.frombuffer(view, dtype="<u1" if self.count_bytes == 1 else "<u2", count=chunks)
         counts = counts.astype(np.int64)
         allowed = np.minimum(lengths, self.k)
@@ -385,10 +385,10 @@ class SparseAverageCodec(_SparseBase):
                 raise SparsePartError(f"declared size disagrees with the bytes: {len(view)} bytes for no values")
             return torch.zeros(0)
         chunks = self.num_chunks(numel)
-        lengths = _chunk_lengths(numel, self.chunk_size)
-        if len(view) < 1 + 4 * chunks:
+        if len(view) < 1 + 4 * chunks:  # before anything is allocated per chunk
             raise SparsePartError(f"declared size disagrees with the bytes: {len(view)} bytes cannot hold the "
                                   f"counts and scales of {chunks} chunks")
+        lengths = _chunk_lengths(numel, self.chunk_size)
         mode = view[0]
         if mode not in (0, 1):
             raise SparsePartError(f"unknown position coding {mode}")
@@ -424,4 +424,6 @@ class SparseAverageCodec(_SparseBase):
         if np.any(codes == -128):
             raise SparsePartError("the unused value code -128")
         values = torch.from_numpy(codes.astype(np.float32)) * scales[torch.from_numpy(chunk_of)]
+        if not bool(torch.isfinite(values).all()):  # a code of 127 at a scale above fp32's max / 127
+            raise SparsePartError("infinite values: a chunk scale too large for its codes")
         return self._scatter(numel, chunk_of, offsets, values)

@@ -45,8 +45,9 @@ keyed by tensor and part), which the reducer decodes to a dense part that is zer
 so checks, norm screen and aggregation (``swarm.reducer``, ``core.robust``) run unchanged. The aggregate goes back
 as its own top-k at 2 bits (``TopKCodec.reply_codec``: same chunk size and ``k``, so a reply costs what a
 part costs and a round is about 1/140 of fp32's bytes each way); a received part or reply whose header
-claims another chunk size or a larger ``k`` than this swarm's is refused ("more than k entries"). The
-union reply of earlier releases (``SparseAverageCodec``) is still decoded, bounded by the shape. A reducer's own part
+claims another chunk size or a larger ``k`` than this swarm's is refused ("more than k entries"), and so is
+any payload whose header names a codec other than this swarm's (parts) or its reply codec (replies): a header
+cannot pick the decoder, e.g. a dense part in a top-k swarm. A reducer's own part
 goes through the same encoding (and error feedback) before it joins the others (:meth:`own_part`), so
 every sender's contribution is its top-k, its own included. A part that fails to decode is rejected with
 the decoder's reason (``SparsePartError``) and the sender's data is dropped from the whole round.
@@ -317,6 +318,11 @@ class CodecCompression(CompressionBase):
         if dtype is None:
             raise ValueError(f"unsupported dtype {serialized_tensor.dtype!r} in compressed tensor")
         codec = _codec_for(codec_id, param)
+        if codec.name not in (self.codec.name, self.reply.name) or (
+                codec.name not in SPARSE_CODEC_NAMES and param != _wire_param(self.codec)):
+            # a part is this swarm's codec, a reply its reply codec: a header cannot pick another decoder
+            raise ValueError(f"payload of codec {codec.name!r} (parameter {param:#x}): this swarm's parts are "
+                             f"{self.codec!r}, its replies {self.reply!r}")
         if isinstance(codec, TopKCodec) and isinstance(self.codec, TopKCodec) and (
                 codec.chunk_size != self.codec.chunk_size or codec.k > self.codec.k):
             # parts and replies are both top-k of our chunk size with at most our k: a header cannot raise it

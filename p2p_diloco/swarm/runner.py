@@ -46,7 +46,8 @@ quantised ones), so this only refuses padding and lies about the shape."""
 _WIRE_SLACK_BYTES = 4096
 
 
-def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compression_type: int | None) -> str | None:
+def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compression_type: int | None,
+                      dtype: torch.dtype | None = None) -> str | None:
     """Why a serialized part must not be decoded, judged on its protobuf fields alone, or ``None``.
 
     The sender picks the compression and the shape a part claims; decoding first would let it make this peer
@@ -60,6 +61,8 @@ def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compressio
         return "part carries autograd state (requires_grad), which no peer sends"
     if compression_type is not None and part.compression != compression_type:
         return f"part compressed as type {part.compression}, the group uses type {compression_type}"
+    if dtype is not None and part.dtype != str(dtype).removeprefix("torch."):
+        return f"part of dtype {part.dtype[:16]!r}, expected {dtype}"
     declared = tuple(part.size)
     if declared != tuple(shape):
         return f"part declares shape {declared[:8]}, expected {tuple(shape)}"
@@ -69,18 +72,18 @@ def wire_part_problem(part: runtime_pb2.Tensor, shape: Sequence[int], compressio
     return None
 
 
-def decode_part(part: runtime_pb2.Tensor, shape: Sequence[int],
-                compression_type: int | None) -> tuple[torch.Tensor, str | None]:
+def decode_part(part: runtime_pb2.Tensor, shape: Sequence[int], compression_type: int | None,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, str | None]:
     """A sender's serialized part, decoded, or an empty tensor and why it was refused: on its protobuf fields
     (:func:`wire_part_problem`) or by its decoder (our codecs raise ``ValueError`` naming the fault, e.g. a
     sparse part's repeated index: ``core.sparse.SparsePartError``). Nothing of a refused part is used."""
-    problem = wire_part_problem(part, shape, compression_type)
+    problem = wire_part_problem(part, shape, compression_type, dtype)
     if problem is not None:
         return torch.empty(0), f"refused on the wire: {problem}"
     try:
         return deserialize_torch_tensor(part), None
-    except ValueError as e:
-        return torch.empty(0), f"rejected by its decoder: {e}"
+    except Exception as e:  # noqa: BLE001 - hivemind's decoders raise TypeError, RuntimeError on hostile bytes
+        return torch.empty(0), f"rejected by its decoder: {type(e).__name__}: {e}"
 
 
 FaultHook = Callable[[str], "bool | float | None"]
@@ -392,7 +395,8 @@ class CountingAllReduceRunner(AllReduceRunner):
         parts = self.parts_for_local_averaging
         if index >= len(parts):
             return torch.empty(0), 0.0, f"part {index} past the {len(parts)} this peer reduces"
-        part, problem = decode_part(message.tensor_part, tuple(parts[index].shape), self._compression_type)
+        part, problem = decode_part(message.tensor_part, tuple(parts[index].shape), self._compression_type,
+                                    parts[index].dtype)
         return part, float(message.weight), None if problem is None else f"part {index} {problem}"
 
     def _replies_from(self, reducer_index: int) -> _Replies:

@@ -70,9 +70,10 @@ def test_installed_slot_routes_hivemind_serialization(restore_hivemind_table: No
     x = _randn(1000, seed=1)
     message = serialize_torch_tensor(x, runtime_pb2.CompressionType.Value(HIVEMIND_SLOT))
     assert len(message.buffer) == HEADER_NBYTES + get_codec("4bit").encoded_nbytes(1000)
-    # The installed instance also decodes any of our codecs (the header names it).
+    # The installed instance decodes only its own codec: a header cannot pick another decoder.
     int8_message = CodecCompression("int8", block_size=32).compress(x, CompressionInfo.from_tensor(x))
-    assert torch.equal(deserialize_torch_tensor(int8_message), get_codec("int8", 32).roundtrip(x))
+    with pytest.raises(ValueError, match="codec"):
+        deserialize_torch_tensor(int8_message)
     # Streamed in small chunks, as hivemind sends large parts.
     chunks = list(split_for_streaming(message, chunk_size_bytes=100))
     assert len(chunks) > 1
@@ -210,8 +211,10 @@ def test_sparse_parts_carry_chunk_and_k_in_the_header_and_replies_their_own_code
     x = _randn(5000, seed=4)
     info = CompressionInfo.from_tensor(x, key=3)
     message = compression.compress(x, info)
-    # any installed instance decodes it: chunk size and k travel in the header
-    decoded = CodecCompression("4bit").extract(message)
+    # chunk size and k travel in the header; another swarm's codec refuses it
+    decoded = compression.extract(message)
+    with pytest.raises(ValueError, match="codec"):
+        CodecCompression("4bit").extract(message)
     assert torch.equal(decoded, TopKCodec(1024, 16).roundtrip(x))
     assert len(message.buffer) == HEADER_NBYTES + 5 * 5 + -(-80 * 10 // 8) + -(-80 * 2 // 8)
     assert compression.error_feedback.residual((3, 0)) is not None  # keyed by tensor and part
@@ -226,12 +229,13 @@ def test_sparse_parts_carry_chunk_and_k_in_the_header_and_replies_their_own_code
         wide = CodecCompression("topk", chunk_size=chunk, k=k).compress_average(aggregate, info)
         with pytest.raises(SparsePartError, match="more than k entries"):
             compression.extract(wide)
-    # the union reply of the previous design still decodes (bounded by the shape)
+    # a union reply (SparseAverageCodec) is not this swarm's reply codec: refused
     union = runtime_pb2.Tensor()
     union.CopyFrom(reply)
     union.buffer = bytes(union.buffer[:3]) + bytes([_CODEC_IDS["topk-reply"]]) + struct.pack("<I", 10 << 16) + \
         SparseAverageCodec(1024).encode(aggregate)
-    assert torch.equal(compression.extract(union), SparseAverageCodec(1024).roundtrip(aggregate))
+    with pytest.raises(ValueError, match="codec"):
+        compression.extract(union)
     # a reducer's own part: what a remote reducer would decode, through the same error feedback
     own = compression.own_part(x, CompressionInfo.from_tensor(x, key=7))
     assert int((own != 0).sum()) == 80 and len(compression.error_feedback) == 2
