@@ -14,19 +14,25 @@ facts alone:
 3. mean, trimmed mean and centered clipping all return a vector no longer than ``sqrt(sum_k |y_k|^2)`` of
    their inputs ``y_k`` (the trimmed mean and the median coordinate by coordinate, centered clipping because
    each iteration is a convex step from a point inside that ball), and the reducer then rescales by at most
-   :func:`rescale_bound`. So an honest reducer's output over any span of one region is no longer than
-   ``tolerance * rescale_bound * sqrt(sum_k L_k^2)`` (:func:`output_bound`).
+   :func:`rescale_bound`, and encodes the result with the reply codec, which never goes through error
+   feedback. So an honest reducer's output over any span of one region is no longer than
+   ``reply_gain * rescale_bound * sqrt(sum_k L_k^2)`` (:func:`output_bound`): the senders' tolerance is in
+   the ``L_k`` once, and the reply adds only its codec's own gain (``NormTolerance.reply``).
 
 Every member computes the same bound from the same gathered metadata and receives the same bytes from an
 honest reducer, so every honest member reaches the same verdict on it. The bound limits the damage of a
 hostile reducer to about ``sqrt(n)`` times the largest plausible pseudo-gradient; values that are wrong but
 inside it (a flipped sign, a 2x scale) are not detected.
 
-Tolerance. Lossy codecs can raise a vector's norm when they round (E3M0 by up to 1/3 per value), and error
-feedback adds last round's rounding error to this round's values. :func:`norm_tolerance` covers the first
+Tolerance (:class:`NormTolerance`). Lossy codecs can raise a vector's norm when they round (E3M0 by up to
+1/3 per value), and error feedback adds last round's rounding error to this round's values. :func:`norm_tolerance` covers the first
 exactly; for the second it allows a residual as large as the round's own values, and a sender whose residual
 is larger still (its pseudo-gradient shrank several-fold since the last round) has its parts clipped a little,
-losing part of that residual, never the round.
+losing part of that residual, never the round. That allowance belongs to the senders' parts of the fresh
+region only: late work is sent without error feedback and replies are never fed back, so both use the
+codec's plain gain. Under top-k at 64/4096 with error feedback the senders' factor is 17.6, and the reducer
+check sits at ``17.6 * 1.1`` times the senders' clipped claims (``sqrt(n)``-weighted) against ``1.001**2`` under
+fp32; applying 17.6 on the reply as well had allowed ``17.6**2``.
 """
 
 from __future__ import annotations
@@ -66,6 +72,44 @@ def norm_tolerance(codec: str, error_feedback: bool, density: float = 1.0) -> fl
         raise ValueError(f"density must be in (0, 1], got {density!r}")
     feedback = ERROR_FEEDBACK_SLACK / math.sqrt(density) if error_feedback else 1.0
     return FLOAT_SLACK * CODEC_NORM_GAIN[codec] * feedback
+
+
+class NormTolerance(float):
+    """A codec's norm tolerances: as a float, the senders' factor on the fresh region (:func:`norm_tolerance`,
+    with error feedback where the codec uses it), what their announced norms are multiplied by; ``plain``:
+    the factor for parts sent without error feedback (the late-work region); ``reply``: the factor on a
+    reducer's reply, which is encoded once and never fed back. Make one with :meth:`of`."""
+
+    plain: float
+    reply: float
+
+    def __new__(cls, sender: float, plain: float, reply: float) -> NormTolerance:
+        if not 1.0 <= plain <= sender or not 1.0 <= reply:
+            raise ValueError(f"tolerances must be >= 1 with plain <= sender, got {sender!r}, {plain!r}, {reply!r}")
+        tolerance = super().__new__(cls, sender)
+        tolerance.plain, tolerance.reply = float(plain), float(reply)
+        return tolerance
+
+    def __getnewargs__(self) -> tuple[float, float, float]:  # type: ignore[override]
+        return float(self), self.plain, self.reply
+
+    @classmethod
+    def of(cls, codec: str, error_feedback: bool, density: float = 1.0) -> NormTolerance:
+        """The tolerances of a codec of ``CODEC_NORM_GAIN``; arguments as for :func:`norm_tolerance`. A sparse
+        reducer replies with its aggregate's own top-k (same gain as the parts)."""
+        plain = norm_tolerance(codec, False)
+        return cls(norm_tolerance(codec, error_feedback, density), plain, plain)
+
+
+def plain_tolerance(tolerance: float) -> float:
+    """The factor for parts sent without error feedback: ``tolerance.plain`` for a :class:`NormTolerance`,
+    else ``tolerance`` itself (a bare float is taken as a codec without error feedback)."""
+    return tolerance.plain if isinstance(tolerance, NormTolerance) else float(tolerance)
+
+
+def reply_tolerance(tolerance: float) -> float:
+    """The factor on a reducer's reply: ``tolerance.reply`` for a :class:`NormTolerance`, else ``tolerance``."""
+    return tolerance.reply if isinstance(tolerance, NormTolerance) else float(tolerance)
 
 
 def l2_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -111,10 +155,12 @@ def rescale_bound(sender_weights: Sequence[float]) -> float:
 def output_bound(limits: Sequence[float], sender_weights: Sequence[float], tolerance: float) -> float:
     """The largest L2 norm an honest reducer's output can have over its span of one region.
 
-    ``limits`` are the senders' limits ``L_k`` in that region (pre-scaled, tolerance included), and
-    ``tolerance`` the codec's (the reducer encodes its output once more).
+    ``limits`` are the senders' limits ``L_k`` in that region (pre-scaled, their tolerance included), and
+    ``tolerance`` the codec's: only its reply factor (:func:`reply_tolerance`) applies here, as the reducer
+    encodes its output once more without error feedback; the senders' allowance is already in ``limits``.
     """
-    return tolerance * rescale_bound(sender_weights) * math.sqrt(math.fsum(limit * limit for limit in limits))
+    reply = reply_tolerance(tolerance)
+    return reply * rescale_bound(sender_weights) * math.sqrt(math.fsum(limit * limit for limit in limits))
 
 
 def clip_to_budget(part: torch.Tensor, spent: float, limit: float) -> tuple[torch.Tensor, float, bool]:

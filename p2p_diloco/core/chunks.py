@@ -260,9 +260,16 @@ class ServeWait:
         self._since = self._clock()
 
 
-MANIFEST_GRACE_S = 1.0
+DONOR_REPUBLISH_S = 2.0
+"""How long a donor that has just stepped on may hold a manifest request before it answers with its new state
+(``swarm.chunk_transfer.REPUBLISH_WAIT_S``, which must not exceed it)."""
+RELAYED_ROUND_TRIP_S = 3.0
+"""Room for a manifest request and its answer through a relay (stream set-up and one round trip each way,
+with margin): a donor behind NAT answers that much later than one on the joiner's network."""
+MANIFEST_GRACE_S = DONOR_REPUBLISH_S + RELAYED_ROUND_TRIP_S
 """How long, at least, the donors asked for a manifest still get once one of them answered (see
-:func:`manifest_wait_s`)."""
+:func:`manifest_wait_s`): an honest donor that is republishing, or relayed, still answers within it, whatever
+answered first. It is what a silent directory entry costs a joiner once another donor answered."""
 
 
 def manifest_wait_s(first_s: float | None, timeout: float) -> float:
@@ -276,7 +283,13 @@ def manifest_wait_s(first_s: float | None, timeout: float) -> float:
     had meanwhile stepped on and no longer served the state their manifests described (a joiner behind a
     dead entry never caught up with a swarm of short rounds, seen in
     ``tests/integration/test_poisoned_catch_up.py``). Donors that answer on the same network as the first
-    answer within the grace; a slower one merely misses this attempt."""
+    answer within the grace; a slower one merely misses this attempt.
+
+    The first answer may be anyone's (a free identity at the top of the directory answering at once, with
+    junk or with an honest donor's manifest, which is public): the grace has a floor (``MANIFEST_GRACE_S``)
+    that covers an honest donor's republishing and a relayed round trip, so such an answer cannot cut them
+    out. Counting only a checked manifest as the first answer would not help: a relayed honest manifest
+    passes every check."""
     if first_s is None:
         return timeout
     return min(timeout, first_s + max(MANIFEST_GRACE_S, first_s))

@@ -7,11 +7,12 @@ from evidence this peer can check itself, network-free (the swarm and the simula
 epochs and digests):
 
 - **Trusted peers** are the peers listed in ``--trusted-peers`` (a run's organisers) and the peers this peer
-  *vouched for* itself: members of a group whose all-reduce it completed (they sent parts that passed every
-  check at receipt and confirmed the same result), and, for a peer that trusted nobody visible when it loaded
+  *vouched for* itself: members that carried weight in a group whose all-reduce it completed (they sent parts
+  that passed every check at receipt and confirmed the same result), for :data:`VOUCH_S` after their last
+  such round, and, for a peer that trusted nobody visible when it loaded
   a verified state, the donor that delivered most of its verified bytes (its lineage is now this peer's
   own; :func:`credited`), only until this peer's first complete all-reduce (:meth:`Evidence.averaged_with`).
-  A record costs nothing; a vouch costs taking part in a real round with this peer.
+  A record costs nothing; a vouch costs taking part in a real round with this peer, with weight.
 - **A relay earns nothing.** A state or round update that a peer accepted on trusted evidence (a trusted
   donor, or a digest trusted voters published) vouches for nobody new: chunks are content-addressed, so any
   identity can relay the honest swarm's bytes, and crediting it made one relayed manifest and two relayed
@@ -52,6 +53,7 @@ vouched, and a brand-new joiner without ``--trusted-peers`` has nothing to check
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -69,6 +71,11 @@ download; each further failure doubles it, up to :data:`UNBACKED_MAX_S` (see :me
 Short at first because an honest donor may just have been slow or busy."""
 
 UNBACKED_MAX_S = 900.0
+
+VOUCH_S = 24 * 3600.0
+"""How long a complete all-reduce vouches for a groupmate that carried weight in it; each such round renews it.
+Choose it well above the longest gap between two rounds this peer shares with an honest member (about the
+number of groups, in rounds): a lapsed vouch only stops trusting a peer until their next round together."""
 
 
 @dataclass(frozen=True)
@@ -160,14 +167,17 @@ class Evidence:
         unbacked_s: how long untrusted claims with no acceptable state behind them are ignored after a first
             failed download, and the most after repeated ones.
         clock: monotonic seconds (the simulator passes its virtual clock).
+        vouch_s: how long a round vouches for a groupmate (:data:`VOUCH_S`).
     """
 
     def __init__(self, me: str = "", trusted: Iterable[str] = (), *,
                  unbacked_s: tuple[float, float] = (UNBACKED_FIRST_S, UNBACKED_MAX_S),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, vouch_s: float = VOUCH_S) -> None:
         self.me = me
         self.configured = frozenset(trusted)
-        self.vouched: set[str] = set()
+        self.vouch_s = vouch_s
+        self.vouched: dict[str, float] = {}
+        """Peer id -> until when (``clock``) this peer vouches for it (:meth:`averaged_with`)."""
         self.adopted: set[str] = set()
         """Donors credited for a state this peer loaded while it trusted nobody visible (:meth:`loaded`): trusted
         only until this peer completes an all-reduce of its own, see :meth:`averaged_with`."""
@@ -181,11 +191,12 @@ class Evidence:
         for this peer, not per donor: k identities got ``MOVED_ON_PASSES`` forgiven tries each before."""
 
     def trusts(self, peer: str) -> bool:
-        return peer in self.configured or peer in self.vouched or peer in self.adopted
+        return peer in self.configured or peer in self.adopted or self.vouched.get(peer, -math.inf) > self._clock()
 
     @property
     def trusted(self) -> frozenset[str]:
-        return self.configured | self.vouched | self.adopted
+        now = self._clock()
+        return self.configured | self.adopted | {peer for peer, until in self.vouched.items() if until > now}
 
     def anchored(self, visible: Iterable[str]) -> bool:
         """Some trusted peer other than this one is among ``visible`` (live progress records)."""
@@ -241,9 +252,16 @@ class Evidence:
 
     # ------------------------------------------------------------------ what this peer saw
 
-    def averaged_with(self, contributors: Iterable[str]) -> None:
-        """A complete all-reduce with ``contributors``: they are vouched for from now on, and the donors adopted
-        on a download (:meth:`loaded`) are trusted no more, unless they were among them.
+    def averaged_with(self, contributors: Sequence[str], weights: Sequence[float] | None = None) -> None:
+        """A complete all-reduce with ``contributors``: those that carried weight in it (``weights[k] > 0``, fresh
+        plus late work, as ``RoundResult.weights`` and ``stale_weights`` give them; ``None``: all of them) are
+        vouched for the next ``vouch_s`` seconds, and once one is, the donors adopted on a download
+        (:meth:`loaded`) are trusted no more, unless they were among them.
+
+        Why weight: a zero-weight client completes rounds without contributing anything (its part is zeros),
+        and a vouch makes its signed records prove it alive (they hold the round's window open) and its speed
+        count for DyLU. With weight it must send a part the reducers' norm screen accepts, and the vouch lapses
+        unless it keeps doing so.
 
         Why the adopted donors go: a newcomer that trusts nobody credits the donor that delivered most of its
         state, and that identity may be a relay of the honest swarm's bytes (content-addressed chunks prove
@@ -252,11 +270,17 @@ class Evidence:
         donor, and the peers that averaged with this one (vouching for it) followed. The credit exists to
         anchor a newcomer between its download and its first round (Sybil epochs change nothing for it
         meanwhile); once it averaged, its groupmates anchor it on evidence of their own."""
-        contributors = [peer for peer in contributors if peer != self.me]
-        if contributors:
+        if weights is not None and len(weights) != len(contributors):
+            logger.warning("A round named %d contributors but %d weights: vouching for nobody",
+                           len(contributors), len(weights))
+            return
+        carried = [w > 0 and math.isfinite(w) for w in weights] if weights is not None else [True] * len(contributors)
+        vouched = [peer for peer, yes in zip(contributors, carried, strict=True) if yes and peer != self.me]
+        if vouched:
             self.adopted.clear()
-        for peer in contributors:
-            self.vouched.add(peer)
+        until = self._clock() + self.vouch_s
+        for peer in vouched:
+            self.vouched[peer] = until
             self._unbacked.pop(peer, None)
             self._strikes.pop(peer, None)
 
@@ -326,5 +350,5 @@ class Evidence:
 
     def forget(self, peer: str) -> None:
         """``peer`` was banned: it is not trusted any more."""
-        self.vouched.discard(peer)
+        self.vouched.pop(peer, None)
         self.adopted.discard(peer)

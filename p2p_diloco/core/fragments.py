@@ -43,14 +43,34 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from p2p_diloco.core.evidence import EPOCH_LIMIT
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.pseudograd import pseudo_gradient
 from p2p_diloco.core.round_driver import InFlight, RoundDriver, RoundPort
 from p2p_diloco.core.rounds import RoundPolicy, RoundReport
 
-__all__ = ["FragmentSchedule", "StreamingRounds", "SyncedWork", "assign_fragments"]
+__all__ = ["MAX_FRAGMENTS", "ROUND_LIMIT", "FragmentSchedule", "StreamingRounds", "SyncedWork", "assign_fragments",
+           "round_number"]
 
 logger = logging.getLogger(__name__)
+
+MAX_FRAGMENTS = 64
+"""The most fragments a run may have (``OuterConfig.fragments``): more than a model's layers rarely helps, and
+it bounds the round numbers on the wire (:data:`ROUND_LIMIT`)."""
+ROUND_LIMIT = (EPOCH_LIMIT + 1) * MAX_FRAGMENTS - 1
+"""The largest round number (:func:`round_number`) any legal run announces: fragment ``F - 1`` of epoch
+``EPOCH_LIMIT`` with ``F = MAX_FRAGMENTS``. Wire formats accept round numbers in ``[0, ROUND_LIMIT]``."""
+
+
+def round_number(epoch: int, fragment: int, fragments: int) -> int:
+    """The number a round of ``fragment`` (of ``fragments``) at that fragment's ``epoch`` meets under: e·F + f,
+    the epoch itself for F = 1; ``ValueError`` outside ``[0, EPOCH_LIMIT]``, ``[0, F)`` and ``[1, MAX_FRAGMENTS]``."""
+    for name, value, low, high in (("fragments", fragments, 1, MAX_FRAGMENTS), ("epoch", epoch, 0, EPOCH_LIMIT),
+                                   ("fragment", fragment, 0, fragments - 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an integer within [{low}, {high}], got {value!r}")
+    return epoch * fragments + fragment
+
 
 LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
 """Where a parameter name carries its transformer layer (``model.layers.3.mlp...``, ``transformer.h.3...``)."""
@@ -110,8 +130,9 @@ class FragmentSchedule:
     delay: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.fragments <= self.local_steps:
-            raise ValueError(f"fragments must be in [1, local_steps={self.local_steps}], got {self.fragments}")
+        if not 1 <= self.fragments <= min(self.local_steps, MAX_FRAGMENTS):
+            raise ValueError(f"fragments must be in [1, min(local_steps={self.local_steps}, {MAX_FRAGMENTS})], "
+                             f"got {self.fragments}")
         if not 0 <= self.delay <= self.local_steps // self.fragments:
             raise ValueError(f"fragment delay must be in [0, {self.local_steps // self.fragments}], got {self.delay}")
 

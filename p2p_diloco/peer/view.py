@@ -94,8 +94,11 @@ class SwarmView:
             return
         for line in result.rejected:
             self.evidence.forget(line.split(":", 1)[0])
-        if result.averaged:
-            self.evidence.averaged_with(result.contributors)
+        if result.averaged:  # only members that carried weight are vouched for (Evidence.averaged_with)
+            stale = result.stale_weights or (0.0,) * len(result.weights)
+            carried = ([w + s for w, s in zip(result.weights, stale, strict=True)]
+                       if len(stale) == len(result.weights) else [])  # misaligned: vouches for nobody
+            self.evidence.averaged_with(result.contributors, carried)
 
     def left_behind(self, epoch: int, window_open: bool = False) -> bool:
         """Read the records again: has every peer this one believes moved past ``epoch`` (``Evidence.left_behind``)?

@@ -34,7 +34,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 
-from p2p_diloco.core.bounds import l2_norm
+from p2p_diloco.core.bounds import NormTolerance, l2_norm
 from p2p_diloco.core.deadlines import ArrivalDeadlines, RoundDeadlines
 from p2p_diloco.core.rounds import Outcome, RoundResult
 from p2p_diloco.swarm import commands, registry
@@ -112,7 +112,7 @@ class RoundAverager(DecentralizedAverager):
         """Which tensors a round averages and where they lie in the shared buffer (whole model or a fragment)."""
         buffers = self.layout.make_buffers()
         self._fault_hook: FaultHook = fault_hook or no_faults
-        self._tolerance = wire_norm_tolerance(compression if compression is not None else NoCompression())
+        self._tolerance = codec_tolerance(compression if compression is not None else NoCompression())
         if isinstance(compression, CodecCompression):
             # error feedback for the fresh region only: late work is sent once, and a residual for the late
             # region would be a second model-sized buffer kept for the run (docs/architecture.md, "Memory");
@@ -515,6 +515,17 @@ class RoundAverager(DecentralizedAverager):
             # every member validates its own input, so this means a member sent NaN or inf on purpose
             result.skip("the aggregate holds NaN or infinite values")
         return result
+
+
+def codec_tolerance(compression: CompressionBase) -> float | None:
+    """The norm tolerances the round checks use for ``compression``: ``hivemind_codecs.wire_norm_tolerance``
+    for the senders' fresh parts, and for our codecs also the plain factor of the late work and the replies
+    (``core.bounds.NormTolerance``), so the error-feedback allowance enters the reducers' bound only once."""
+    tolerance = wire_norm_tolerance(compression)
+    if tolerance is None or not isinstance(compression, CodecCompression):
+        return tolerance  # dense: no error feedback, one factor for all
+    plain = NormTolerance.of(compression.codec.name, False)
+    return NormTolerance(tolerance, plain.plain, plain.reply)
 
 
 def _shared(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,10 @@ callables and the ``round_process.HivemindSide`` given to it, never through a sh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -43,6 +44,38 @@ from p2p_diloco.swarm.runner import FaultHook
 
 logger = logging.getLogger(__name__)
 
+MAX_PART_STREAMS_PER_PEER = 4
+"""How many all-reduce streams (``rpc_aggregate_part``) one peer may hold open to this one at once. An honest
+member opens one per round to each reducer, plus one for the round's completion check, and the last round's
+may still be closing as the next begins: 3 at most; each stream beyond is refused at once, so one identity
+cannot pile up handlers that each wait ``next_chunk_timeout_s`` for a first part."""
+
+
+class StreamCap:
+    """Counts the open streams of each peer and refuses those beyond ``limit`` (:meth:`slot`)."""
+
+    def __init__(self, limit: int = MAX_PART_STREAMS_PER_PEER) -> None:
+        self.limit = limit
+        self.open: dict[str, int] = {}
+        """Peer id -> its streams open now (peers with none are not kept)."""
+
+    @contextlib.contextmanager
+    def slot(self, peer: str) -> Iterator[str | None]:
+        """Hold one of ``peer``'s slots while the block runs; yields why it is refused, or ``None``."""
+        count = self.open.get(peer, 0)
+        if count >= self.limit:
+            yield f"{count} all-reduce streams already open (at most {self.limit} per peer)"
+            return
+        self.open[peer] = count + 1
+        try:
+            yield None
+        finally:
+            left = self.open.get(peer, 1) - 1
+            if left > 0:
+                self.open[peer] = left
+            else:
+                self.open.pop(peer, None)
+
 
 class AveragerProcess:
     """What the averager process keeps and does for ``RoundAverager`` (the module docstring).
@@ -51,7 +84,7 @@ class AveragerProcess:
     :param own_id: this peer's base58 id.
     :param layout: the pseudo-gradient's layout in the shared buffer (the whole model's, or per fragment).
     :param allowed: a private swarm's members (``None``: anyone).
-    :param tolerance: the codec's norm tolerance (``hivemind_codecs.wire_norm_tolerance``).
+    :param tolerance: the codec's norm tolerances (``averager.codec_tolerance``).
     :param counters: the serving counters shared with the training process.
     :param host_state: hivemind's fetch of the served state from the training process.
     :param sharing: whether this peer shares state now.
@@ -81,6 +114,8 @@ class AveragerProcess:
         self.rounds = RoundProcess(cfg, layout, self.gate, self.join_timing, self.early, tolerance, fault_hook)
         self.chunks = ChunkServer(counters, host_state, sharing, fault_hook)
         self.fetcher = ChunkFetcher(stub, cfg.next_chunk_timeout_s)
+        self.part_streams = StreamCap()
+        """Open ``rpc_aggregate_part`` streams per peer (:meth:`aggregate_part`)."""
         self._running: set[asyncio.Task[Any]] = set()
         """The tasks of the commands running now (``run_command``), held until each ends."""
 
@@ -163,22 +198,29 @@ class AveragerProcess:
                              hivemind_part: Callable[..., AsyncIterator[averaging_pb2.AveragingData]]
                              ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's part exchange (``hivemind_part``), closed to peers that are not allowed (banned ones are
-        the reducer's), and ended when no first part comes within ``next_chunk_timeout_s``."""
+        the reducer's), to a peer's streams beyond ``MAX_PART_STREAMS_PER_PEER`` open at once, and ended when
+        no first part comes within ``next_chunk_timeout_s``."""
         reason = self.gate.refuse_parts(context.remote_id)
         if reason is not None:
             logger.warning("Refused all-reduce data from %s: %s", context.remote_id, reason)
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        # hivemind's handler awaits the first part without a limit (its runner bounds the later ones by the
-        # sender timeout): a stream held open without one ends here, with the handler, after the same wait.
-        wait_s = self.cfg.next_chunk_timeout_s
-        try:
-            first = await asyncio.wait_for(anext(stream), wait_s)
-        except (asyncio.TimeoutError, StopAsyncIteration):
-            logger.debug("Closed an all-reduce stream from %s: no part within %.1f s", context.remote_id, wait_s)
-            return
-        async for message in hivemind_part(achain(as_aiter(first), stream), context):
-            yield message
+        with self.part_streams.slot(context.remote_id.to_base58()) as refused:
+            if refused is not None:
+                logger.info("Refused all-reduce data from %s: %s", context.remote_id, refused)  # a flood: no warnings
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            # hivemind's handler awaits the first part without a limit (its runner bounds the later ones by the
+            # sender timeout): a stream held open without one ends here, with the handler, after the same wait.
+            wait_s = self.cfg.next_chunk_timeout_s
+            try:
+                first = await asyncio.wait_for(anext(stream), wait_s)
+            except (asyncio.TimeoutError, StopAsyncIteration):
+                logger.debug("Closed an all-reduce stream from %s: no part within %.1f s", context.remote_id,
+                             wait_s)
+                return
+            async for message in hivemind_part(achain(as_aiter(first), stream), context):
+                yield message
 
     async def state_chunk(self, request: averaging_pb2.DownloadData, context: P2PContext
                           ) -> AsyncIterator[averaging_pb2.DownloadData]:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from p2p_diloco.core.fragments import round_number
+
 __all__ = ["BufferLayout"]
 
 Shape = tuple[int, ...]
@@ -94,8 +96,8 @@ class BufferLayout:
 
     def round_number(self, epoch: int, fragment: int = 0) -> int:
         """The number a round of ``fragment`` at that fragment's ``epoch`` meets and announces: e·F + f (the
-        epoch itself without fragments), one number per fragment round."""
-        return int(epoch) * self.count + self.check_fragment(fragment)
+        epoch itself without fragments), one number per fragment round; ``ValueError`` past ``EPOCH_LIMIT``."""
+        return round_number(int(epoch), self.check_fragment(fragment), self.count)
 
     def make_buffers(self) -> list[torch.Tensor]:
         """The buffers hivemind's averager shares with its process: one zero tensor per parameter (whole model),

@@ -30,8 +30,9 @@ from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.config import is_run_id
-from p2p_diloco.core.bounds import clip_claims
+from p2p_diloco.core.bounds import clip_claims, plain_tolerance
 from p2p_diloco.core.delayed import RoundStats, fold_scales, group_stats
+from p2p_diloco.core.fragments import ROUND_LIMIT
 from p2p_diloco.core.robust import screen_weights
 
 GATHER_VERSION = 2
@@ -94,7 +95,7 @@ class MemberInfo:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             if not 0 <= value <= high:
                 raise ValueError(f"{name} must be within [0, {high}], got {value!r}")
-        for name, value, high in (("staleness", staleness, MAX_STALENESS), ("epoch", epoch, 10**9)):
+        for name, value, high in (("staleness", staleness, MAX_STALENESS), ("epoch", epoch, ROUND_LIMIT)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
                 raise ValueError(f"{name} must be an integer within [0, {high}], got {value!r}")
         has_fresh, has_stale = carries_fresh and weight > 0, carries_stale and stale_weight > 0
@@ -138,7 +139,7 @@ class MemberInfo:
             raise ValueError("invalid run id")
         if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
             raise ValueError("invalid model fingerprint")
-        for key, high in (("ep", 10**9), ("st", MAX_STALENESS)):
+        for key, high in (("ep", ROUND_LIMIT), ("st", MAX_STALENESS)):
             value = obj[key]
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
                 raise ValueError(f"field {key!r} must be an integer within [0, {high}]")
@@ -202,7 +203,9 @@ class GroupPlan:
     def sender_limits(self, factor: float, tolerance: float) -> list[tuple[float, float]]:
         """Per member, the most its pre-scaled fresh and stale parts may weigh in L2 norm, all parts of one
         region together: its announced norms (clipped, ``core.bounds.clip_claims``) times its scales and the
-        codec's ``tolerance``. Reducers clip senders to these; members bound reducers' outputs by them."""
+        codec's ``tolerance`` (``core.bounds.NormTolerance``: the late work, sent without error feedback, gets
+        its ``plain`` factor). Reducers clip senders to these; members bound reducers' outputs by them."""
+        plain = plain_tolerance(tolerance)
         fresh = clip_claims([m.norm for m in self.members], self.fresh_weights(), factor)
         stale = clip_claims(
             [m.stale_norm for m in self.members],
@@ -212,7 +215,7 @@ class GroupPlan:
         limits = []
         for peer_id, fresh_claim, stale_claim in zip(self.peer_ids, fresh, stale, strict=True):
             fresh_scale, stale_scale = self.local_scales(peer_id)
-            limits.append((tolerance * fresh_scale * fresh_claim, tolerance * stale_scale * stale_claim))
+            limits.append((float(tolerance) * fresh_scale * fresh_claim, plain * stale_scale * stale_claim))
         return limits
 
 

@@ -128,7 +128,8 @@ def test_port_an_inflated_epoch_stalls_nobody_and_moves_no_anchored_peer() -> No
     assert swarm.downloads == [(10**6, None)]
     assert port.observe(3).swarm_epoch == 3  # one failed try, then the claim stops stalling it
     # After a complete round with a and b, the liar's claims never count, whatever it raises them to.
-    swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"),
+                                 weights=(1.0, 1.0, 1.0), rejected=())
     port.average(sent([torch.zeros(4)]), 1.0, 0, 3, 0.0)
     # whose records may prove a cut peer alive (core.deadlines) is the evidence's word: a and b now, no liar
     assert swarm.vouched is not None and swarm.vouched("a") and not swarm.vouched("liar")
@@ -224,7 +225,8 @@ def _stepping(swarm: ScriptedSwarm, epochs):  # noqa: ANN001, ANN202
 def test_port_gives_a_round_up_when_every_trusted_peer_moved_past_it() -> None:
     swarm = ScriptedSwarm(claims={"me": 3, "a": 3, "b": 3})
     port, _ = _port(swarm)
-    swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"), rejected=())
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 3, contributors=("me", "a", "b"),
+                                 weights=(1.0, 1.0, 1.0), rejected=())
     port.average(sent([torch.zeros(4)]), 1.0, 0, 3, 0.0)
     assert swarm.left_behind is not None and not swarm.left_behind(False)
     swarm.claims["a"] = 4
@@ -246,7 +248,8 @@ def test_port_checksum_vote_counts_groupmates_not_sybils() -> None:
     mine = state_sha256(state.anchors, [torch.zeros(4)])
     swarm.votes = {s: "f" * 64 for s in SYBILS} | {"me": mine}
     assert not port.in_minority(2)
-    swarm.result = RoundResult(Outcome.AVERAGED, "", 2, contributors=("me", "a"), rejected=())
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 2, contributors=("me", "a"), weights=(1.0, 1.0),
+                                 rejected=())
     port.average(sent([torch.zeros(4)]), 1.0, 0, 2, 0.0)
     swarm.votes["a"] = "1" * 64
     assert port.in_minority(2)  # the one peer it averaged with holds other parameters: it drifted
@@ -304,7 +307,8 @@ def test_a_joiner_one_round_behind_applies_the_missed_round_and_takes_part_in_th
     assert len(swarm.downloads) == 1  # one download, then the update: not a second download
     assert state.epoch == 4 and port.serving.state_digest() == swarm_sha  # bitwise the swarm's state
     assert port.observe(4).swarm_epoch == 4  # not behind: the round policy averages, it does not resync
-    swarm.result = RoundResult(Outcome.AVERAGED, "", 4, contributors=("me", "a", "b"), rejected=())
+    swarm.result = RoundResult(Outcome.AVERAGED, "", 4, contributors=("me", "a", "b"),
+                                 weights=(1.0, 1.0, 1.0), rejected=())
     port.average(sent([torch.ones(4)]), 1.0, 0, 4, 0.0)
     assert swarm.averaged == [(1.0, 0.0)]  # it contributed to the round right after its download
 
