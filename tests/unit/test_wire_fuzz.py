@@ -233,7 +233,7 @@ class _DecodeSpy:
         assert tuple(part.size) in self.shapes, f"decoded a part of claimed shape {tuple(part.size)[:9]}"
         numel = int(np.prod(tuple(part.size)))
         assert len(part.buffer) <= numel * MAX_WIRE_BYTES_PER_VALUE + _WIRE_SLACK_BYTES
-        assert not part.requires_grad and part.compression == self.compression_type
+        assert not part.requires_grad and part.compression == self.compression_type and part.dtype == "float32"
         self.calls += 1
         return self._real(part)
 
@@ -267,7 +267,7 @@ def test_a_mutated_part_or_reply_is_refused_or_within_bounds(name: str, reply: b
     message = _mutate(_genuine(name, compression, x, reply), mutations)
     spy = _DecodeSpy([shape], compression.compression_type)
     with mock.patch("p2p_diloco.swarm.runner.deserialize_torch_tensor", spy):
-        outcome, peak = _traced_peak(lambda: decode_part(message, shape, compression.compression_type))
+        outcome, peak = _traced_peak(lambda: decode_part(message, shape, compression.compression_type, torch.float32))
     if isinstance(outcome, Exception):  # decode_part refuses, it never raises
         assert isinstance(outcome, HIVEMIND_DECODER_ERRORS.get(name, ())), repr(outcome)
         return
