@@ -17,18 +17,18 @@ from typing import Any, get_type_hints
 
 from hivemind.p2p import P2P, PeerID
 
-from p2p_diloco.swarm.bounded_rpc import BOUNDED_RPCS, BoundedRequests
+from p2p_diloco.swarm.bounded_rpc import BOUNDED_RPCS, MAX_ANSWERS, MAX_ANSWERS_PER_PEER, BoundedRequests
 from p2p_diloco.swarm.claims import unsigned_payload
 from p2p_diloco.swarm.group import decode_gather
 
 logger = logging.getLogger(__name__)
 
 
-MAX_CHUNK_STREAMS = 16
+MAX_CHUNK_STREAMS = MAX_ANSWERS
 """State chunk requests this peer serves at once (``rpc_state_chunk``): four joiners' worth at ``DEPTH`` 2 from
 each of two workers. A chunk is 1 MiB, so this bounds the serving side's buffers to 16 MiB; beyond it a joiner
 is refused and its chunks go to its other donors."""
-MAX_CHUNK_STREAMS_PER_PEER = 4
+MAX_CHUNK_STREAMS_PER_PEER = MAX_ANSWERS_PER_PEER
 """Chunk requests served to one peer id at once: a joiner keeps ``DEPTH`` (2) out per donor; twice that leaves
 room for a stream that is closing on this side while the joiner's next request arrives."""
 

@@ -2,7 +2,8 @@
 
 Driven with asyncio's own stream reader (fed the bytes a caller sends) and a writer that records what the
 server writes, framed as hivemind frames messages (``P2P.send_protobuf``), so the cases run without a daemon.
-The live version (a real averager, an attacker holding streams) is ``tests/integration/test_held_streams.py``.
+The live versions (a real averager, an attacker holding streams) are ``tests/integration/test_held_streams.py``
+and, for answers nobody reads, ``tests/integration/test_slot_holders.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Any
 import pytest
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from p2p_diloco.swarm import bounded_rpc
+from p2p_diloco.swarm import access, bounded_rpc
+from p2p_diloco.swarm.access import AccessGate
 from p2p_diloco.swarm.bounded_rpc import BoundedRequests
 
 CALLER = PeerID(b"\x00" * 34)
@@ -189,3 +191,221 @@ def test_a_caller_whose_connection_resets_ends_its_stream_quietly() -> None:
     for after_request in (False, True):
         writer, ran = asyncio.run(run(after_request))
         assert writer.closed and ran == after_request
+
+
+# ------------------------------------------------------------------ answers nobody reads (issue 51, finding 2)
+
+PART = averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=b"\x01" * (1 << 18)))
+"""One part of a state chunk answer, the size ``chunk_transfer.PART_BYTES`` sends."""
+STALL_S = getattr(bounded_rpc, "STALL_S", 4.0)
+ASKED = frame(REQUEST) + END
+FULL_CHUNK = frame(PART) * 4
+
+
+class Unread(Recorder):
+    """A caller that asked and never reads: every write waits for buffer space that never comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck = asyncio.Event()
+
+    async def drain(self) -> None:
+        self.stuck.set()
+        await asyncio.Event().wait()
+
+
+def chunk_handler(gate: AccessGate) -> Any:
+    """``AveragerProcess.state_chunk`` in small: the real gate, then a 1 MiB chunk in four parts."""
+    async def handler(request: Any, context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        with gate.chunk_slot(context.remote_id) as refused:
+            if refused is not None:
+                return
+            for _ in range(4):
+                yield PART
+
+    return handler
+
+
+def peer(n: int) -> PeerID:
+    return PeerID(bytes([n]) * 34)
+
+
+class Donor:
+    """One donor's ``rpc_state_chunk`` server on a clock the test moves, and the streams it serves."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.clock = 1000.0
+        monkeypatch.setattr(bounded_rpc, "_now", lambda: self.clock, raising=False)
+        self.gate = AccessGate("donor", None)
+        self.server = BoundedRequests("ns::RoundAverager.rpc_state_chunk", chunk_handler(self.gate),
+                                      averaging_pb2.DownloadData, CALLER, 5.0, {})
+        self.held: list[tuple[asyncio.Task, Unread]] = []
+        self.readers: dict[Recorder, asyncio.StreamReader] = {}
+
+    def stream(self, who: PeerID, writer: Recorder) -> asyncio.Task:
+        reader = self.readers[writer] = asyncio.StreamReader()
+        reader.feed_data(ASKED)  # and keeps its end open
+        return asyncio.create_task(self.server.serve(StreamInfo(who, None, "p"), reader, writer))  # type: ignore[arg-type]
+
+    async def hold(self, identities: int, streams: int, first: int = 1) -> list[Unread]:
+        """``identities`` x ``streams`` unread answers, once each one's first message waits to leave."""
+        writers = []
+        for n in range(first, first + identities):
+            for _ in range(streams):
+                writer = Unread()
+                self.held.append((self.stream(peer(n), writer), writer))
+                writers.append(writer)
+        await asyncio.wait_for(asyncio.gather(*(w.stuck.wait() for w in writers)), 10)
+        return writers
+
+    async def honest(self) -> Recorder:
+        writer = Recorder()
+        await asyncio.wait_for(self.stream(peer(200), writer), 30)
+        return writer
+
+    async def close(self) -> None:
+        for task, _ in self.held:
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in self.held), return_exceptions=True)
+
+
+def test_answers_nobody_reads_cannot_hold_every_slot_from_an_honest_joiner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 identities x 4 streams take all 16 slots and read nothing; once their messages waited ``STALL_S``, an
+    honest request takes the slot of one of them and gets its whole chunk. Before: it got an empty answer
+    ("busy") for as long as the holders kept reading a trickle (120 s per message)."""
+    async def run() -> tuple[Recorder, list[bool], dict[str, int]]:
+        donor = Donor(monkeypatch)
+        try:
+            unread = await donor.hold(identities=4, streams=access.MAX_CHUNK_STREAMS_PER_PEER)
+            donor.clock += STALL_S + 1
+            honest = await donor.honest()
+            return honest, [w.closed for w in unread], dict(donor.gate._chunk_serving)
+        finally:
+            await donor.close()
+
+    honest, unread, serving = asyncio.run(run())
+    assert bytes(honest.data) == FULL_CHUNK and honest.closed, "the honest request was refused"
+    assert sum(unread) == 1  # one holder cut for it, the other 15 untouched
+    assert sum(serving.values()) == access.MAX_CHUNK_STREAMS - 1  # the honest one's slot is free again
+
+
+def test_nothing_is_cut_below_capacity_and_the_most_stalled_answer_goes_first(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """A slow reader keeps its answer while slots are free; when none is, the longest-waiting answer is cut."""
+    async def run() -> tuple[Recorder, list[bool], Recorder, list[bool], list[bool]]:
+        donor = Donor(monkeypatch)
+        try:
+            older = await donor.hold(identities=3, streams=access.MAX_CHUNK_STREAMS_PER_PEER)  # 12 of 16
+            donor.clock += 10 * STALL_S
+            served = await donor.honest()
+            before = [w.closed for w in older]
+            recent = await donor.hold(identities=1, streams=access.MAX_CHUNK_STREAMS_PER_PEER, first=50)
+            donor.clock += STALL_S  # all 16 stalled now, the 12 older ones longest
+            newcomer = Recorder()
+            await asyncio.wait_for(donor.stream(peer(51), newcomer), 30)
+            return served, before, newcomer, [w.closed for w in older], [w.closed for w in recent]
+        finally:
+            await donor.close()
+
+    served, before, newcomer, older, recent = asyncio.run(run())
+    assert bytes(served.data) == FULL_CHUNK and not any(before)
+    assert bytes(newcomer.data) == FULL_CHUNK and sum(older) == 1 and not any(recent)
+
+
+def test_a_request_waits_for_a_slot_to_stall_and_a_full_donor_whose_answers_leave_in_time_cuts_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder that asks again whenever its answer is cut has all 16 answers fresh for ``STALL_S``: a request
+    then waits for the first to stall instead of being refused; if none does within ``ADMIT_WAIT_S``, the gate
+    refuses it and nobody is cut."""
+    async def waits() -> tuple[Recorder, list[bool]]:
+        donor = Donor(monkeypatch)
+        try:
+            unread = await donor.hold(identities=4, streams=access.MAX_CHUNK_STREAMS_PER_PEER)
+            honest = Recorder()
+            task = donor.stream(peer(200), honest)
+            slots = donor.server.slots
+            for _ in range(1000):
+                if slots.waiting:
+                    break
+                await asyncio.sleep(0)
+            assert [a.peer for a in slots.waiting] == [peer(200)]
+            donor.clock += STALL_S
+            await asyncio.wait_for(task, 30)
+            return honest, [w.closed for w in unread]
+        finally:
+            await donor.close()
+
+    honest, unread = asyncio.run(waits())
+    assert bytes(honest.data) == FULL_CHUNK and sum(unread) == 1
+
+    monkeypatch.setattr(bounded_rpc, "ADMIT_WAIT_S", 0.2, raising=False)
+
+    async def run() -> tuple[Recorder, list[bool], Recorder]:
+        donor = Donor(monkeypatch)
+        try:
+            unread = await donor.hold(identities=4, streams=access.MAX_CHUNK_STREAMS_PER_PEER)
+            donor.clock += STALL_S / 2
+            early = await donor.honest()
+            donor.clock += STALL_S
+            # a holder asking again takes nobody's slot: it has its 4 (the gate refuses it)
+            again = Recorder()
+            await asyncio.wait_for(donor.stream(peer(1), again), 30)
+            return early, [w.closed for w in unread], again
+        finally:
+            await donor.close()
+
+    early, unread, again = asyncio.run(run())
+    assert not early.data and not again.data and not any(unread)
+
+
+def test_a_slot_a_holder_frees_goes_to_the_request_waiting_before_its_next_one(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """A holder that closes a stream and asks again at once (its answers always fresh) does not get the slot
+    back: the request already waiting does."""
+    async def run() -> tuple[Recorder, Unread]:
+        donor = Donor(monkeypatch)
+        try:
+            unread = await donor.hold(identities=4, streams=access.MAX_CHUNK_STREAMS_PER_PEER)
+            honest = Recorder()
+            task = donor.stream(peer(200), honest)
+            slots = donor.server.slots
+            for _ in range(1000):
+                if slots.waiting:
+                    break
+                await asyncio.sleep(0)
+            donor.readers[unread[0]].feed_eof()  # the holder closes one stream and reopens it
+            for _ in range(1000):
+                if len(slots.answers) < access.MAX_CHUNK_STREAMS:
+                    break
+                await asyncio.sleep(0)
+            again = Unread()
+            donor.held.append((donor.stream(peer(1), again), again))
+            await asyncio.wait_for(task, 30)
+            return honest, again
+        finally:
+            await donor.close()
+
+    honest, again = asyncio.run(run())
+    assert bytes(honest.data) == FULL_CHUNK
+
+
+def test_an_answer_not_read_within_its_size_at_the_floor_rate_is_cut_and_its_slot_freed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bounded_rpc, "WRITE_BASE_S", 0.05)
+    monkeypatch.setattr(bounded_rpc, "WRITE_FLOOR_BPS", 1 << 40)
+
+    async def run() -> tuple[Unread, dict[str, int]]:
+        donor = Donor(monkeypatch)
+        writer = Unread()
+        await asyncio.wait_for(donor.stream(peer(1), writer), 30)
+        return writer, dict(donor.gate._chunk_serving)
+
+    writer, serving = asyncio.run(run())
+    assert writer.closed and serving == {}
+    assert bounded_rpc.write_deadline_s(0) == bounded_rpc.WRITE_BASE_S
+    # a 256 KiB part at the default floor rate: well under the old flat 120 s, and 4x a 4 Mbit/s relay's share
+    assert 10 < bounded_rpc.WRITE_BASE_S + (1 << 18) / (8 * 1024) < 120
+
+
+def test_the_slots_taken_back_are_the_gates() -> None:
+    assert bounded_rpc.ANSWER_SLOTS["rpc_state_chunk"] == (access.MAX_CHUNK_STREAMS, access.MAX_CHUNK_STREAMS_PER_PEER)
