@@ -14,11 +14,15 @@ from typing import Literal
 
 from p2p_diloco.core.codecs import CODEC_NAMES, CodecName
 from p2p_diloco.core.outer_defaults import OuterChoice, choose_outer
+from p2p_diloco.core.sparse import SPARSE_CODEC_NAMES
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 """The one run-id rule, for every place that names or reads a run (this config, ``SwarmConfig``, the group
 metadata a peer receives, the bootstrap's monitored runs): 1-64 letters, digits, '_' or '-', starting with a
 letter or digit (so that a run id never reads as a flag). Match with :func:`is_run_id` (a full match)."""
+SPARSE_ERROR_FEEDBACK_DECAY = 0.95
+"""``OuterConfig.error_feedback_decay``'s default with a sparse codec: the published SparseLoCo setting, and a
+bound on how far an honest residual can grow while replies drop its values (about 1 / (1 - 0.95) rounds)."""
 RUN_ID_RULE = "1-64 letters, digits, '_' or '-', starting with a letter or digit"
 """:data:`RUN_ID_PATTERN` in words, for error messages."""
 
@@ -276,12 +280,16 @@ class OuterConfig:
     sparse codecs; helps 4bit a little. One more model-sized fp32 buffer on the host (in the averager
     process), for the whole run."""
 
-    error_feedback_decay: float = 1.0
-    """Factor on the carried error before it is added to the next round (0-1). 1 keeps all of it: right for
+    error_feedback_decay: float | None = None
+    """Factor on the carried error before it is added to the next round (0-1). Unset (the default): 0.95 with
+    the sparse codecs, 1 with the others (:data:`SPARSE_ERROR_FEEDBACK_DECAY`). 1 keeps all of it: right for
     the dense codecs, whose error is a small rounding. With the sparse codecs a value may wait many rounds,
     and a stale direction is worth less than a fresh one: 0.95 (the published SparseLoCo setting; half-life 14
-    rounds) forgets it geometrically. Lower (0.8-0.9) for few, long rounds; 1 when every round is short and
-    the same direction persists. 0 drops the error each round (no feedback at all)."""
+    rounds) forgets it geometrically. It also bounds the residual: at 1 whatever the top-k replies do not
+    carry piles up round after round (``credit_undelivered``), in clean runs too when the same direction
+    persists, until a fresh joiner's norm screen (20x) sees the veterans' parts as outliers and bans them; at
+    0.95 a residual is at most about 20 rounds of input. Lower (0.8-0.9) for few, long rounds; 1 only for short
+    sparse runs. 0 drops the error each round (no feedback at all)."""
 
     credit_undelivered: bool = True
     """With a sparse codec and ``error_feedback``: after a round that averaged, return to the residual every
@@ -360,6 +368,9 @@ class OuterConfig:
             raise ValueError(f"topk_chunk_size: must be a power of two in [16, 32768], got {self.topk_chunk_size}")
         if not 1 <= self.topk_k <= self.topk_chunk_size:
             raise ValueError(f"topk_k: must be in [1, topk_chunk_size={self.topk_chunk_size}], got {self.topk_k}")
+        if self.error_feedback_decay is None:
+            self.error_feedback_decay = (SPARSE_ERROR_FEEDBACK_DECAY if self.compression in SPARSE_CODEC_NAMES
+                                         else 1.0)
         _check_range("error_feedback_decay", self.error_feedback_decay, 0.0, 1.0)
         if not isinstance(self.credit_undelivered, bool):
             raise ValueError(f"credit_undelivered: must be true or false, got {self.credit_undelivered!r}")

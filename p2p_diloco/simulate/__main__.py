@@ -21,7 +21,7 @@ from pathlib import Path
 from p2p_diloco.cli.common import make_parser, parse_config, setup_logging, usage_error
 from p2p_diloco.config import TrainConfig
 from p2p_diloco.config_loader import ConfigError
-from p2p_diloco.core.robust import AGGREGATIONS
+from p2p_diloco.core.robust import AGGREGATION_CHOICES
 from p2p_diloco.simulate.engine import MODES, RoundRecord, SimConfig
 from p2p_diloco.simulate.faults import FaultSchedule
 from p2p_diloco.simulate.modes import run
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--aggregation",
         default=SimConfig.aggregation,
-        help=f"all-reduce rule, one of {', '.join(AGGREGATIONS)} (as the swarm's --aggregation)",
+        help=f"all-reduce rule, one of {', '.join(AGGREGATION_CHOICES)} (as the swarm's --aggregation)",
     )
     parser.add_argument(
         "--byzantine",

@@ -28,12 +28,13 @@ from p2p_diloco.config import TrainConfig
 from p2p_diloco.core.delayed import StalenessPolicy
 from p2p_diloco.core.peer_state import OuterState
 from p2p_diloco.core.robust import (
-    AGGREGATIONS,
+    AGGREGATION_CHOICES,
     NORM_OUTLIER_FACTOR,
     PART_SIZE_BYTES,
     GroupReduction,
     part_size_values,
 )
+from p2p_diloco.core.sparse import TopKCodec
 from p2p_diloco.inner_stats import InnerStats
 
 if TYPE_CHECKING:
@@ -64,10 +65,12 @@ class SimConfig:
     """Virtual seconds an inner step takes at speed 1.0."""
     bandwidth_mbps: float = 0.0
     """Per-peer link speed for the all-reduce time; 0 makes communication free."""
-    aggregation: str = "mean"
+    aggregation: str = "auto"
     """How the all-reduce combines the workers' pseudo-gradients, as ``SwarmConfig.aggregation``: ``mean``
     (exact, trusting), ``trimmed-mean`` or ``centered-clip`` (bound what a hostile worker can do; see
-    ``core.robust``). Other than ``mean`` only in the all-reduce modes (diloco, fedavg, eager)."""
+    ``core.robust``), or ``auto``: as an open swarm resolves it (``core.robust.default_aggregation``:
+    ``centered-clip`` with a sparse codec, else ``mean``). Other than ``mean`` and ``auto`` only in the
+    all-reduce modes (diloco, fedavg, eager)."""
     byzantine: dict[int, float] = field(default_factory=dict)
     """Hostile workers: worker index -> the scale it multiplies the pseudo-gradient it sends by, in every
     round (its own copy stays honest), e.g. ``{4: -20.0}`` for a scaled sign flip. The swarm fault
@@ -113,9 +116,9 @@ class SimConfig:
             raise ValueError(f"step_time_s: must be > 0, got {self.step_time_s}")
         if self.bandwidth_mbps < 0:
             raise ValueError(f"bandwidth_mbps: must be >= 0, got {self.bandwidth_mbps}")
-        if self.aggregation not in AGGREGATIONS:
+        if self.aggregation not in AGGREGATION_CHOICES:
             raise ValueError(
-                f"aggregation: must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"
+                f"aggregation: must be one of {', '.join(AGGREGATION_CHOICES)}, got {self.aggregation!r}"
             )
         self.byzantine = {int(i): float(scale) for i, scale in self.byzantine.items()}
         if any(not 0 <= i < self.workers for i in self.byzantine):
@@ -126,7 +129,7 @@ class SimConfig:
             raise ValueError(f"byzantine: scales must be finite numbers, got {self.byzantine}")
         if len(self.byzantine) >= self.workers:
             raise ValueError("byzantine: at least one worker must stay honest")
-        if (self.byzantine or self.aggregation != "mean") and self.mode not in ALLREDUCE_MODES:
+        if (self.byzantine or self.aggregation not in ("mean", "auto")) and self.mode not in ALLREDUCE_MODES:
             raise ValueError(
                 f"aggregation and byzantine apply to the all-reduce modes ({', '.join(ALLREDUCE_MODES)}), "
                 f"not to {self.mode}"
@@ -253,7 +256,8 @@ def group_reduction(sim: SimConfig, state: OuterState) -> GroupReduction:
     """The all-reduce of ``sim.workers`` workers, cut into parts as the swarm cuts them for ``state``'s codec."""
     values = part_size_values(sim.part_size_bytes, state.codec.part_bits_per_value())
     return GroupReduction(
-        sim.workers, method=sim.aggregation, norm_factor=sim.norm_outlier_factor, values_per_part=values
+        sim.workers, method=sim.aggregation, norm_factor=sim.norm_outlier_factor, values_per_part=values,
+        sparse=isinstance(state.codec, TopKCodec),
     )
 
 

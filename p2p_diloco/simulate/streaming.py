@@ -282,7 +282,7 @@ class StreamingSimulation:
         if len(members) != self.sim.workers:
             reduction = GroupReduction(len(members), method=self.sim.aggregation,
                                        norm_factor=self.sim.norm_outlier_factor,
-                                       values_per_part=reduction.values_per_part)
+                                       values_per_part=reduction.values_per_part, sparse=reduction.sparse)
         mean = reduction.reduce(sent_all, weights)
         record_bans(result, reduction, step)
         for _, sender, _ in reduction.new_bans:  # a rejected part's residual is not sent again

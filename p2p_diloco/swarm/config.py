@@ -17,7 +17,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import RUN_ID_RULE, is_run_id
-from p2p_diloco.core.robust import AGGREGATIONS
+from p2p_diloco.core.robust import AGGREGATION_CHOICES, default_aggregation
 
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
 _MAX_ADDRESSES = 64
@@ -258,11 +258,14 @@ class SwarmConfig:
     shutdown_timeout_s: float = 5.0
     """Grace period for background processes to stop before they are terminated, 0.1-120 s."""
 
-    aggregation: Literal["mean", "trimmed-mean", "centered-clip"] = "mean"
+    aggregation: Literal["auto", "mean", "trimmed-mean", "centered-clip"] = "auto"
     """How reducers combine the group's pseudo-gradient parts. ``mean`` is the exact weighted average (trusted
     or private swarms); ``centered-clip`` bounds what one hostile peer can do and equals the mean on clean data
-    of similar weights (open swarms); ``trimmed-mean`` drops each coordinate's extremes. Every peer of a run
-    should use the same value."""
+    of similar weights (open swarms); ``trimmed-mean`` drops each coordinate's extremes. ``auto`` (the
+    default, :meth:`aggregation_for`): ``centered-clip`` in an open swarm (no ``allowed_peers``) with a sparse
+    codec, where under ``mean`` one sender at 5x an honest norm owns every top-k reply, else ``mean``. Its cost
+    on clean data is in BENCHMARKS.md ("Top-k capture"). Every peer of a run should use the same value (with
+    ``auto``: the same ``allowed_peers`` setting and ``compression``)."""
 
     allowed_peers: str | None = None
     """File of peer ids (base58, one per line, '#' comments) allowed to average with this peer and download
@@ -362,9 +365,9 @@ class SwarmConfig:
         _check_range("startup_timeout_s", self.startup_timeout_s, 1, 600)
         _check_range("dht_wait_timeout_s", self.dht_wait_timeout_s, 0.1, 120)
         _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.1, 120)
-        if self.aggregation not in AGGREGATIONS:
+        if self.aggregation not in AGGREGATION_CHOICES:
             raise ValueError(
-                f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"
+                f"aggregation must be one of {', '.join(AGGREGATION_CHOICES)}, got {self.aggregation!r}"
             )
         if self.allowed_peers is not None:
             read_allowed_peers(self.allowed_peers)
@@ -379,6 +382,11 @@ class SwarmConfig:
                 f"norm_outlier_factor must be 0 (off) or at least 2, got {self.norm_outlier_factor!r}; "
                 "below that, honest peers would be rejected"
             )
+
+    def aggregation_for(self, *, sparse: bool) -> str:
+        """The rule the reducers run (``core.robust.default_aggregation``): ``aggregation``, with ``auto``
+        resolved for this swarm (open without ``allowed_peers``) and codec (``sparse``: top-k parts)."""
+        return default_aggregation(self.aggregation, open_run=self.allowed_peers is None, sparse=sparse)
 
     @classmethod
     def for_loopback(cls, **overrides: object) -> SwarmConfig:

@@ -33,7 +33,7 @@ import torch
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 
 from p2p_diloco.core.bounds import clip_to_budget
-from p2p_diloco.core.robust import PartResult, norm_statistics, reduce_part
+from p2p_diloco.core.robust import PartResult, default_aggregation, norm_statistics, reduce_part
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ class RobustPartReducer(TensorPartReducer):
       pre-scaled inputs are renormalised by the accepted ones (``core.robust.rescale_factor``).
     :param screen_weights: per sender, the weights the norm screen divides its fresh and late-work parts by
       (``core.robust.screen_weights``); default: ``sender_weights`` for both.
-    :param method: one of ``core.robust.AGGREGATIONS``.
+    :param method: one of ``core.robust.AGGREGATIONS``, or ``auto``: resolved as for an open run
+      (``core.robust.default_aggregation``; the caller resolves it with ``SwarmConfig.aggregation_for``).
+    :param sparse: whether the parts are top-k parts (only to resolve ``auto``).
     :param norm_factor: ``SwarmConfig.norm_outlier_factor``; 0 disables the norm screen.
     :param banned: senders banned earlier in this run; all their parts are dropped.
     :param limits: per sender, the L2 norm its fresh and stale parts may reach together
@@ -83,6 +85,7 @@ class RobustPartReducer(TensorPartReducer):
         limits: Sequence[tuple[float, float]] | None = None,
         regions: Sequence[int] = (),
         own: int | None = None,
+        sparse: bool = False,
     ):
         if len(sender_ids) != len(sender_weights):
             raise ValueError("one weight per sender is needed")
@@ -102,6 +105,8 @@ class RobustPartReducer(TensorPartReducer):
         # What the norm screen divides each sender's parts by, per region (core.robust.screen_weights).
         self.screen_weights = tuple((float(f), float(s)) for f, s in screen_weights) if screen_weights is not None \
             else tuple((w, w) for w in self.sender_weights)
+        if method == "auto":
+            method = default_aggregation(method, open_run=True, sparse=sparse)
         self.method, self.norm_factor, self.own = method, norm_factor, own
         self.rejections: dict[int, str] = {
             i: "banned earlier in this run" for i, peer in enumerate(sender_ids) if peer in banned

@@ -344,11 +344,12 @@ class RoundProcess:
             make_runner = self._runner_factory(side, plan, fractions, group_info.group_id, counter, kwargs)
             tolerance = self.tolerance
             limits = None if tolerance is None else plan.sender_limits(self.cfg.norm_outlier_factor, tolerance)
+            sparse = bool(getattr(kwargs["compression"], "sparse", False))  # top-k parts: see aggregation_for
             robust = dict(
                 sender_weights=plan.fresh_weights(),
                 limits=limits,
                 screen_weights=plan.screen_weights(),
-                method=self.cfg.aggregation,
+                method=self.cfg.aggregation_for(sparse=sparse),
                 norm_factor=self.cfg.norm_outlier_factor,
                 banned=frozenset(self.gate.banned),
             )
