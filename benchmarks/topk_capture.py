@@ -100,7 +100,31 @@ def main(argv: list[str] | None = None) -> int:
             {(n["label"], n["attack"], n["seed"], n["rounds"]) for n in runs}]
     out.write_text(json.dumps(keep + runs, indent=1) + "\n")
     print("\n".join(table([r for r in keep + runs if r["rounds"] == args.rounds])))
+    plot(RESULTS / "topk_capture", RESULTS / "topk_capture.png")
     return 0
+
+
+def plot(folder: Path, path: Path, rounds: int = 20, seed: int = 0) -> None:
+    """Eval loss against rounds of every run of ``rounds`` rounds and ``seed`` kept in ``folder``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in sorted(folder.glob(f"*_r{rounds}_s{seed}.json")):
+        record = json.loads(run.read_text())
+        xs = [0] + [r["round"] for r in record["rounds"]]
+        ys = [record["initial_eval_loss"]] + [r["eval_loss"] for r in record["rounds"]]
+        ax.plot(xs, ys, label=run.stem.removesuffix(f"_r{rounds}_s{seed}"),
+                linestyle="--" if "attack" in run.stem else "-")
+    ax.set_xlabel("round")
+    ax.set_ylabel("eval loss")
+    ax.set_yscale("log")
+    ax.set_title(f"Top-k, one sender x-5 (dashed) or none; tiny, 4 workers, H = 10, seed {seed}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
