@@ -7,7 +7,9 @@ Six real ``RoundAverager`` processes on loopback form one group: three honest on
 - ``liar``: claims a weight of 1e11 samples, over ``max_round_weight``: refused by every member's plan.
 
 A second group of four has a hostile reducer (``hostile_reducer@0=1e6``): it sends its groupmates one averaged
-part scaled by 1e6. Every honest member refuses it on receipt, skips the round and bans the reducer.
+part scaled by 1e6. Every honest member refuses it on receipt, skips the round and bans the reducer. Under
+top-k with error feedback a reply at about 127x one member's claim is refused too (the bound once let 620x
+through).
 """
 
 from __future__ import annotations
@@ -106,6 +108,31 @@ def test_a_hostile_reducer_is_refused_by_every_member_and_banned(swarm: Swarm) -
         assert set(reasons) == {evil_id}, reasons  # no honest member is blamed
     # the reducer itself hears that its groupmates did not complete, so nobody applies the round
     assert results["evil"]["outcome"] == "skipped"
+
+
+def test_a_hostile_topk_reducer_is_refused_where_the_old_bound_let_it_through(swarm: Swarm) -> None:
+    # top-k with error feedback: the reducer's output bound once held the codec's tolerance twice (4 members:
+    # up to 620.8x one member's claim then, 38.8x now), and every member applied what it let through
+    cfg = dict(run_id="topk-reducer", min_group_size=4, target_group_size=4, matchmaking_time_s=4.0,
+               matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,
+               part_size_bytes=1024, request_timeout_s=3.0)
+    # 1 KiB top-k parts hold about 34k values: 262k values make 8 parts, so every member reduces some
+    common = dict(role="average", shapes=[[512, 512]], fingerprint="abcdef0123456789", cfg=cfg,
+                  compression="topk")
+    # random N(0, 1) pseudo-gradients: every member's claim is about 512 and a reply part's norm about 6.5, so
+    # its first part at x10^4 is about 127 claims (6.5e4): over the bound now (38.8 claims: 1.99e4), within the
+    # old one (620.8 claims: 3.2e5)
+    honest = [swarm.spawn(f"h{v}", fresh_seed=v, weight=1.0, **common) for v in (1, 2, 3)]
+    evil = swarm.spawn("evil", fresh_seed=4, weight=1.0, faults="hostile_reducer@0=10000", **common)
+    swarm.wait_ready(timeout=120)
+    results = {p.name: swarm.result(p, timeout=120) for p in [*honest, evil]}
+    assert "FAULT FIRED hostile_reducer@0" in evil.log_tail(10**6)
+    evil_id = evil.info["peer_id"]
+    for peer in honest:
+        result = results[peer.name]
+        assert result["outcome"] == "skipped" and result["fresh_mean"] is None, f"{result}\n{swarm.warnings()}"
+        reasons = dict(entry.split(": ", 1) for entry in result["rejected"])
+        assert set(reasons) == {evil_id}, reasons  # refused and named, no honest member blamed
 
 
 @pytest.mark.long

@@ -35,6 +35,7 @@ from p2p_diloco.swarm.catchup import download_update
 from p2p_diloco.swarm.checksum import combine_state_sha, params_sha256, state_sha256, tensor_manifest
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import start_dht, visible_maddrs
+from p2p_diloco.swarm.hivemind_codecs import wire_compression
 from p2p_diloco.swarm.quorum import due_peers
 from p2p_diloco.swarm.records import fetch_progress, publish_checksum, publish_progress, run_validator
 from p2p_diloco.swarm.state import download_state, make_state_metadata
@@ -125,6 +126,9 @@ def tensors_json(tensors: list[torch.Tensor] | None) -> list[list[float]] | None
 def run_average(spec: dict[str, Any], averager: RoundAverager) -> dict[str, Any]:
     shapes = spec["shapes"]
     fresh = pattern(shapes, spec["fresh"]) if spec.get("fresh") is not None else None
+    if spec.get("fresh_seed") is not None:  # a random pseudo-gradient, the same size everywhere: N(0, 1) values
+        gen = torch.Generator().manual_seed(spec["fresh_seed"])
+        fresh = [torch.randn(shape, generator=gen) for shape in shapes]
     stale = pattern(shapes, spec["stale"]) if spec.get("stale") is not None else None
     if spec.get("claim_fingerprint"):
         averager.fingerprint = spec["claim_fingerprint"]  # lies in the gathered metadata only
@@ -220,7 +224,9 @@ def main() -> None:
         "uniform8bit": Uniform8BitQuantization(),
         "flag_grad": FlaggingCompression(),  # hostile: see FlaggingCompression
     }
-    compression = codecs[spec.get("compression", "none")]
+    name = spec.get("compression", "none")
+    # the project's codecs, installed as run_peer installs them (before the averager process forks)
+    compression = codecs[name] if name in codecs else wire_compression(name, error_feedback=True)
     averager = RoundAverager(
         template, dht, cfg, fingerprint=spec["fingerprint"], compression=compression, fault_hook=hook
     )
