@@ -263,6 +263,16 @@ class Donor:
         await asyncio.wait_for(self.stream(peer(200), writer), 30)
         return writer
 
+    async def queued(self) -> tuple[Recorder, asyncio.Task]:
+        """An honest request, once it waits in line for a slot."""
+        writer = Recorder()
+        task = self.stream(peer(200), writer)
+        for _ in range(1000):
+            if self.server.slots.waiting:
+                break
+            await asyncio.sleep(0)
+        return writer, task
+
     async def close(self) -> None:
         for task, _ in self.held:
             task.cancel()
@@ -321,14 +331,8 @@ def test_a_request_waits_for_a_slot_to_stall_and_a_full_donor_whose_answers_leav
         donor = Donor(monkeypatch)
         try:
             unread = await donor.hold(identities=4, streams=access.MAX_CHUNK_STREAMS_PER_PEER)
-            honest = Recorder()
-            task = donor.stream(peer(200), honest)
-            slots = donor.server.slots
-            for _ in range(1000):
-                if slots.waiting:
-                    break
-                await asyncio.sleep(0)
-            assert [a.peer for a in slots.waiting] == [peer(200)]
+            honest, task = await donor.queued()
+            assert [a.peer for a in donor.server.slots.waiting] == [peer(200)]
             donor.clock += STALL_S
             await asyncio.wait_for(task, 30)
             return honest, [w.closed for w in unread]
@@ -366,13 +370,8 @@ def test_a_slot_a_holder_frees_goes_to_the_request_waiting_before_its_next_one(m
         donor = Donor(monkeypatch)
         try:
             unread = await donor.hold(identities=4, streams=access.MAX_CHUNK_STREAMS_PER_PEER)
-            honest = Recorder()
-            task = donor.stream(peer(200), honest)
+            honest, task = await donor.queued()
             slots = donor.server.slots
-            for _ in range(1000):
-                if slots.waiting:
-                    break
-                await asyncio.sleep(0)
             donor.readers[unread[0]].feed_eof()  # the holder closes one stream and reopens it
             for _ in range(1000):
                 if len(slots.answers) < access.MAX_CHUNK_STREAMS:
