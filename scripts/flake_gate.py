@@ -11,7 +11,8 @@ Usage (from the repository root, after ``bash scripts/setup.sh``)::
 Each run is one ``pytest -m slow`` over the selection, one test at a time as CI runs them (``--workers N``: N test
 files at a time, ``pytest -n N --dist loadfile``, to see whether the tests hold under that load), writing a JUnit
 XML report; the gate then prints one line per test that failed at least once (failures/runs, and the first
-line of each distinct failure message) and exits 1 if any did. A change to a multi-process test, or to the
+line of each distinct failure message), one per test that was skipped (skips/runs and the reason: a skip is not
+a pass), and exits 1 if any test failed. A change to a multi-process test, or to the
 round timing it depends on, should pass it with N = 5 before it lands.
 """
 
@@ -43,8 +44,13 @@ def run_once(selection: list[str], report: Path, workers: int = 1, marks: str = 
         return subprocess.run(args, stdout=sink, stderr=subprocess.STDOUT, check=False).returncode
 
 
+SKIPPED = "skipped: "
+"""Prefix of a skipped test's entry in :func:`outcomes`: a skip is counted apart, never as a pass."""
+
+
 def outcomes(report: Path) -> dict[str, str | None]:
-    """test id -> None if it passed (or skipped), else the first line of its failure."""
+    """test id -> None if it passed, ``SKIPPED`` + its reason if it was skipped, else the first line of its
+    failure."""
     out: dict[str, str | None] = {}
     if not report.exists():
         return out
@@ -53,8 +59,19 @@ def outcomes(report: Path) -> dict[str, str | None]:
         failed = case.find("failure")
         if failed is None:
             failed = case.find("error")
-        out[name] = None if failed is None else (failed.get("message") or "failed").splitlines()[0][:200]
+        skipped = case.find("skipped")
+        if failed is not None:
+            out[name] = (failed.get("message") or "failed").splitlines()[0][:200]
+        elif skipped is not None:
+            out[name] = SKIPPED + (skipped.get("message") or "").splitlines()[0][:200] if skipped.get("message") \
+                else SKIPPED
+        else:
+            out[name] = None
     return out
+
+
+def _failed(outcome: str | None) -> bool:
+    return outcome is not None and not outcome.startswith(SKIPPED)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("workers must be at least 1")
     runs: dict[str, int] = defaultdict(int)
     failures: dict[str, list[str]] = defaultdict(list)
+    skips: dict[str, list[str]] = defaultdict(list)
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,12 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             log = where / f"run{i + 1}.log" if args.keep is not None else None
             code = run_once(args.selection, report, args.workers, CI_SLOW if args.ci else SLOW, log)
             seen = outcomes(report)
-            for name, failure in seen.items():
+            for name, outcome in seen.items():
                 runs[name] += 1
-                if failure is not None:
-                    failures[name].append(failure)
+                if _failed(outcome):
+                    failures[name].append(outcome)  # type: ignore[arg-type]
+                elif outcome is not None:
+                    skips[name].append(outcome.removeprefix(SKIPPED))
             print(f"run {i + 1}/{args.runs}: exit {code}, {len(seen)} tests, "
-                  f"{sum(f is not None for f in seen.values())} failed, {time.monotonic() - began:.0f} s", flush=True)
+                  f"{sum(_failed(f) for f in seen.values())} failed, "
+                  f"{sum(f is not None and not _failed(f) for f in seen.values())} skipped, "
+                  f"{time.monotonic() - began:.0f} s", flush=True)
             if not seen:
                 print("no test report was written: check that the selection collects tests", file=sys.stderr)
                 return 2
@@ -97,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FLAKY {len(failures[name])}/{runs[name]} {name}")
             for message in sorted(set(failures[name])):
                 print(f"    {message}")
-    print(f"{len(runs)} tests, {sum(bool(f) for f in failures.values())} failed at least once in {args.runs} runs")
+    for name in sorted(skips):
+        print(f"SKIPPED {len(skips[name])}/{runs[name]} {name}: {sorted(set(skips[name]))[0]}")
+    print(f"{len(runs)} tests, {sum(bool(f) for f in failures.values())} failed at least once, "
+          f"{sum(bool(s) for s in skips.values())} skipped at least once in {args.runs} runs")
     return 1 if any(failures.values()) else 0
 
 

@@ -10,6 +10,8 @@ import psutil
 import pytest
 from hypothesis import settings
 
+pytest_plugins = ["ci_skips"]  # under CI a skip fails (tests/ci_skips.py)
+
 # CI runs the property tests with a fixed seed, so a run is reproducible; locally they explore new inputs.
 settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):

@@ -26,6 +26,10 @@ def test_flaky():
 
 def test_steady():
     pass
+
+
+def test_needs_a_tool():
+    pytest.skip("no such tool here")
 '''
 
 
@@ -53,7 +57,9 @@ def test_the_gate_counts_each_tests_failures_across_runs(tmp_path: Path, capsys:
     flaky = [line for line in out.splitlines() if line.startswith("FLAKY ")]
     assert len(flaky) == 1 and flaky[0].startswith("FLAKY 1/2 ") and flaky[0].endswith("test_sample::test_flaky"), out
     assert "fails on even runs" in out and "test_steady" not in out.split("FLAKY", 1)[1]
-    assert out.strip().endswith("2 tests, 1 failed at least once in 2 runs"), out
+    assert "SKIPPED 2/2 " in out and "test_sample::test_needs_a_tool: no such tool here" in out, out
+    assert "1 skipped" in out.splitlines()[0], out  # each run's line counts skips apart from passes
+    assert out.strip().endswith("3 tests, 1 failed at least once, 1 skipped at least once in 2 runs"), out
 
 
 def test_the_gate_refuses_a_selection_without_tests(tmp_path: Path) -> None:
