@@ -15,8 +15,11 @@ writes ``benchmarks/results/flagged_parts.json`` (merged by scenario and ``--lab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +57,9 @@ def run(scenario: str, rounds: int, params: int) -> dict[str, Any]:
                 outs = [swarm.result(p, timeout=rounds * 60 + 60) for p in honest]
             finally:
                 swarm.stop()
+                for peer in swarm.peers:  # each peer's DHT, averager and p2pd share its process group
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(peer.proc.pid, signal.SIGKILL)
             elapsed = time.monotonic() - started
     finally:
         dht.shutdown()
