@@ -44,10 +44,10 @@ from p2p_diloco.swarm.runner import FaultHook
 
 logger = logging.getLogger(__name__)
 
-MAX_PART_STREAMS_PER_PEER = 4
+MAX_PART_STREAMS_PER_PEER = 8
 """How many all-reduce streams (``rpc_aggregate_part``) one peer may hold open to this one at once. An honest
-member opens one per round to each reducer, plus one for the round's completion check, and the last round's
-may still be closing as the next begins: 3 at most; each stream beyond is refused at once, so one identity
+member opens two per round (its parts, the completion check), the last round's may still be closing, and with
+fragments a second round may be in flight: 6 at most. Each stream beyond is refused at once, so one identity
 cannot pile up handlers that each wait ``next_chunk_timeout_s`` for a first part."""
 
 
