@@ -2,13 +2,14 @@
 
 Usage (from the repository root, after ``bash scripts/setup.sh``)::
 
-    .venv/bin/python scripts/flake_gate.py 5                    # every `slow` test, 5 times
-    .venv/bin/python scripts/flake_gate.py 5 --ci               # the `slow` tests CI runs (not `long`), 5 times
+    .venv/bin/python scripts/flake_gate.py 5                    # every multi-process test, 5 times
+    .venv/bin/python scripts/flake_gate.py 5 --quick            # those of `scripts/test.sh --quick` (not `long`)
     .venv/bin/python scripts/flake_gate.py 5 tests/integration/test_red_team.py   # a selection, 5 times
     .venv/bin/python scripts/flake_gate.py 5 --workers 2        # two test files at a time (pytest-xdist)
     .venv/bin/python scripts/flake_gate.py 5 --keep gate-out    # keep each run's pytest output and report
 
-Each run is one ``pytest -m slow`` over the selection, one test at a time as CI runs them (``--workers N``: N test
+A multi-process test is one tests/conftest.py marks ``processes``: every test in tests/integration (the fast
+tier's included) and every ``slow`` one. Each run is one ``pytest -m processes`` over the selection, one test at a time as CI runs them (``--workers N``: N test
 files at a time, ``pytest -n N --dist loadfile``, to see whether the tests hold under that load), writing a JUnit
 XML report; the gate then prints one line per test that failed at least once (failures/runs, and the first
 line of each distinct failure message), one per test that was skipped (skips/runs and the reason: a skip is not
@@ -27,12 +28,12 @@ import xml.etree.ElementTree as ElementTree  # our own pytest's report, written 
 from collections import defaultdict
 from pathlib import Path
 
-SLOW = "slow"
-CI_SLOW = "slow and not long"
-"""The marker expressions of the gate's two selections: every multi-process test, or those CI runs."""
+PROCESSES = "processes"
+QUICK = "processes and not long"
+"""The marker expressions of the gate's two selections: every multi-process test, or those of the quick tier."""
 
 
-def run_once(selection: list[str], report: Path, workers: int = 1, marks: str = SLOW,
+def run_once(selection: list[str], report: Path, workers: int = 1, marks: str = PROCESSES,
              output: Path | None = None) -> int:
     """One pytest run of the selection; its output goes to ``output`` (the failures' tracebacks) or nowhere."""
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
@@ -78,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=int, help="how many times to run the selection (5 before a change lands)")
     parser.add_argument("selection", nargs="*", default=["tests"], help="test paths (default: the whole suite's "
-                        "`slow` tests)")
+                        "multi-process tests)")
     parser.add_argument("--workers", type=int, default=1, help="test files run at a time (default 1, as CI)")
-    parser.add_argument("--ci", action="store_true", help="only the `slow` tests CI runs (leaves out `long`)")
+    parser.add_argument("--quick", action="store_true", help="leave out the `long` tests, as "
+                        "`scripts/test.sh --quick` does")
     parser.add_argument("--keep", type=Path, default=None, help="a folder to keep each run's pytest output "
                         "(runN.log: tracebacks, durations) and JUnit report (runN.xml) in; default: not kept")
     args = parser.parse_args(argv)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             began = time.monotonic()
             report = where / f"run{i + 1}.xml"
             log = where / f"run{i + 1}.log" if args.keep is not None else None
-            code = run_once(args.selection, report, args.workers, CI_SLOW if args.ci else SLOW, log)
+            code = run_once(args.selection, report, args.workers, QUICK if args.quick else PROCESSES, log)
             seen = outcomes(report)
             for name, outcome in seen.items():
                 runs[name] += 1

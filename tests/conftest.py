@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -72,9 +73,19 @@ def _stop(procs: list[psutil.Process]) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+INTEGRATION = Path(__file__).parent / "integration"
+"""Every test in this folder starts real processes (peers, DHT nodes, daemons, namespaces)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so that `-m processes` sees the mark
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A ``long`` test is a ``slow`` one (scripts/test.sh runs it one at a time, like the other slow ones): a test
-    marked long and not slow is refused, so that no selection runs a long scenario on both cores by mistake."""
+    """Mark every multi-process test ``processes`` (the flake gate's selection): those in tests/integration and
+    those marked ``slow``. A ``long`` test is a ``slow`` one (scripts/test.sh runs it one at a time, like the
+    other slow ones): a test marked long and not slow is refused, so that no selection runs a long scenario on
+    both cores by mistake."""
+    for item in items:
+        if item.get_closest_marker("slow") or INTEGRATION in Path(str(item.path)).parents:
+            item.add_marker("processes")
     wrong = [item.nodeid for item in items if item.get_closest_marker("long") and not item.get_closest_marker("slow")]
     if wrong:
         raise pytest.UsageError(f"tests marked long must be marked slow too: {', '.join(wrong)}")

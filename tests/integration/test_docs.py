@@ -51,7 +51,7 @@ COVERAGE: list[tuple[str, str]] = [
     (r"bash scripts/setup\.sh", "scripts/test.sh"),
     (r"TORCH_INDEX_URL=\S+ bash scripts/setup\.sh", "scripts/test.sh"),
     (r"bash scripts/demo\.sh", "scripts/demo.sh"),
-    (r"bash scripts/test\.sh( -n 2 --dist loadfile| --long| --all)?", "scripts/test.sh"),
+    (r"bash scripts/test\.sh( -n 2 --dist loadfile| --quick| --long| --all)?", "scripts/test.sh"),
     (r"\.venv/bin/python scripts/flake_gate\.py \d+( \S+)*",
      "tests/unit/test_flake_gate.py::test_the_gate_counts_each_tests_failures_across_runs"),
     (r"\.venv/bin/python -c .*torch.*", "tests/integration/test_docs.py::test_torch_check_command_runs"),

@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes  # what tests/conftest.py marks a multi-process test
 COUNT = pathlib.Path(__file__).with_name("count")
 
 
@@ -48,11 +48,11 @@ def _bare_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_gate_counts_each_tests_failures_across_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "test_sample.py").write_text(FLAKY)
-    (tmp_path / "test_fast.py").write_text("def test_not_slow():\n    raise AssertionError('not a slow test')\n")
+    (tmp_path / "test_fast.py").write_text("def test_not_slow():\n    raise AssertionError('not a multi-process test')\n")
     gate = _gate()
     assert gate.main(["2", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    # run 1 fails (count 0), run 2 passes; the test not marked slow is not run at all
+    # run 1 fails (count 0), run 2 passes; the test not marked processes is not run at all
     # a test is named as pytest's report names it: its module path from the run's root directory
     flaky = [line for line in out.splitlines() if line.startswith("FLAKY ")]
     assert len(flaky) == 1 and flaky[0].startswith("FLAKY 1/2 ") and flaky[0].endswith("test_sample::test_flaky"), out
@@ -63,7 +63,7 @@ def test_the_gate_counts_each_tests_failures_across_runs(tmp_path: Path, capsys:
 
 
 def test_the_gate_refuses_a_selection_without_tests(tmp_path: Path) -> None:
-    (tmp_path / "test_none.py").write_text("def test_plain():\n    pass\n")  # not slow: nothing to run
+    (tmp_path / "test_none.py").write_text("def test_plain():\n    pass\n")  # no process: nothing to run
     assert _gate().main(["1", str(tmp_path)]) == 2
 
 
@@ -78,14 +78,14 @@ def test_workers_run_test_files_side_by_side_as_xdist_does(monkeypatch: pytest.M
         gate.main(["1", "--workers", "0"])
 
 
-def test_ci_selects_the_slow_tests_ci_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_quick_leaves_out_the_long_tests(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     gate = _gate()
     seen: list[list[str]] = []
     monkeypatch.setattr(gate.subprocess, "run", lambda args, **_: seen.append(args) or type("R", (), {"returncode": 0}))
-    gate.main(["1", str(tmp_path), "--ci"])
+    gate.main(["1", str(tmp_path), "--quick"])
     gate.main(["1", str(tmp_path)])
     marks = [args[args.index("pytest") + 2] for args in seen]  # python -m pytest -m MARKS
-    assert marks == ["slow and not long", "slow"], seen
+    assert marks == ["processes and not long", "processes"], seen
 
 
 def test_keep_leaves_each_runs_output_and_report_for_diagnosis(tmp_path: Path) -> None:
