@@ -11,7 +11,7 @@ which in PyTorch's convention reads::
     m ← μ·m + Δ
     θ ← θ − η·(Δ + μ·m)
 
-Choosing lr (η) and momentum (μ) (details and measurements: ``OuterConfig.lr`` / ``.momentum``):
+Choosing lr (η) and momentum (μ) (details and measurements: peers/README.md, "Round length, outer lr and momentum"):
 
 * ``η = 0.7, μ = 0.9`` (the DiLoCo paper, H = 500, hundreds of rounds) is the default and was
   robust across the paper's grid; decaying the outer lr did not help there.

@@ -22,16 +22,13 @@ class NodeConfig:
     """
 
     parallel: Literal["ddp", "fsdp2"] = field(default="ddp", metadata={"flag": "node-parallel"})
-    """How the node's ranks share the inner phase. 'ddp': every rank holds the whole model, gradients are
-    averaged (the fastest when the model, its gradients and AdamW's two moments fit on one GPU: about 16
-    bytes per parameter). 'fsdp2': parameters, gradients and AdamW moments are sharded over the ranks
-    (``torch.distributed.fsdp.fully_shard``, one unit per transformer block), for models that do not fit;
-    each round the full parameters are gathered once to rank 0's host memory."""
+    """How the node's ranks share the inner phase: 'ddp' (every rank holds the whole model, about 16 bytes per
+    parameter; the fastest when that fits one GPU) or 'fsdp2' (parameters, gradients and AdamW moments sharded
+    over the ranks, for models that do not fit). See peers/README.md#9-a-node-of-several-gpus-one-peer."""
     timeout_s: float = field(default=1800.0, metadata={"flag": "node-timeout-s"})
-    """How long a rank waits in one collective of the node before the node stops, 60-86400 s. A rank that
-    dies ends the node at once (torchrun stops the others); this bounds a rank that hangs. It must exceed
-    the longest rank 0 can spend on the swarm between two collectives (a round's matchmaking, all-reduce
-    and a state download); the check below says by how much."""
+    """How long a rank waits in one collective of the node before the node stops, 60-86400 s: it bounds a rank
+    that hangs (one that dies ends the node at once). It must exceed the longest rank 0 can spend on the swarm
+    in a round (matchmaking, all-reduce and a state download), which the check at start states."""
 
     def __post_init__(self) -> None:
         if self.parallel not in ("ddp", "fsdp2"):

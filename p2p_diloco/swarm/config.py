@@ -122,97 +122,82 @@ class SwarmConfig:
     letters, digits, '_' and '-'. Every peer of one run must use the same value."""
 
     initial_peers: list[str] = field(default_factory=list)
-    """Multiaddrs of peers already in the swarm, e.g. ``/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...``. Empty only
-    for the very first peer (or a bootstrap node). Give two or three so one offline peer does not stop a join."""
+    """Multiaddrs of peers already in the swarm, e.g. ``/ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...``; empty only
+    for the very first peer (or a bootstrap node). Give two or three so one offline peer does not stop a
+    join."""
 
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
-    """Where to listen. ``/tcp/0`` picks a free port; a fixed port (e.g. 31337) is needed when you forward it
-    on your router. Use ``/ip4/127.0.0.1/tcp/0`` to stay on this machine."""
+    """Where to listen: ``/tcp/0`` picks a free port, a fixed port (e.g. 31337) is needed when you forward it
+    on your router, and ``/ip4/127.0.0.1/tcp/0`` stays on this machine."""
 
     announce_maddrs: list[str] = field(default_factory=list)
-    """Addresses others should dial, when they differ from what the host sees (port forwarding, public IP).
-    Each must name an explicit port. Leave empty to announce what the daemon detects."""
+    """Addresses others should dial when they differ from what the host sees (port forwarding, public IP),
+    each with an explicit port. Leave empty to announce what the daemon detects."""
 
     identity_path: str | None = None
-    """Private key file that fixes this peer's id across restarts (created with mode 0600 if missing). Keep it
-    secret: whoever holds it can impersonate the peer. ``None`` makes a new random id on every start."""
+    """Private key file that fixes this peer's id across restarts (created with mode 0600 if missing); keep it
+    secret, since whoever holds it can impersonate the peer. ``None`` makes a new random id on every start."""
 
     client_mode: bool = False
-    """Set when this peer cannot accept incoming connections (behind NAT without port forwarding). Clients
-    still contribute to rounds (they send their parts to full peers, which reduce them) and download state,
-    but do not aggregate parts for others nor serve state to joiners. A client joins a swarm and cannot
-    start one: it needs initial peers and, to average, at least one full peer online."""
+    """Set when this peer cannot accept incoming connections (NAT without port forwarding): it still trains
+    and sends its parts to full peers, but aggregates and serves nothing. A client cannot start a swarm: it
+    needs initial peers and a full peer online (peers/README.md#4-behind-nat-three-choices)."""
 
     use_relay: bool = True
     """Let libp2p circuit relays carry traffic to peers behind NAT. Keep on unless every peer is reachable."""
 
     use_auto_relay: bool = False
-    """Behind NAT without port forwarding: reserve a slot on the relays among ``initial_peers`` (the bootstrap
-    nodes relay) and announce an address through them, so that others can dial this peer. Needs
-    ``use_relay`` and ``initial_peers``. Every byte to and from this peer then crosses a relay's link: prefer a
-    forwarded port where you can (peers/README.md, "Behind NAT")."""
+    """Behind NAT without port forwarding: reserve a slot on the relays among ``initial_peers`` and announce
+    an address through them, so others can dial this peer. Every byte then crosses a relay's link: prefer a
+    forwarded port where you can (peers/README.md#4-behind-nat-three-choices)."""
 
     relay_service: bool = False
-    """Relay for peers behind NAT (``use_auto_relay``). Only for hosts with a public address, such as a
-    bootstrap node (``run_bootstrap`` sets it from its ``use_relay``): the host declares itself public, and
-    its p2p daemon then relays with its own limits (4 GiB and 30 minutes per relayed connection) instead of
-    libp2p's defaults (128 KiB per connection), which reset every all-reduce. Each relayed peer's traffic
-    crosses this host's link twice (in and out): see bootstrap/README.md for what it costs."""
+    """Relay for peers behind NAT, only on a host with a public address such as a bootstrap node
+    (``run_bootstrap`` sets it from its ``use_relay``). Each relayed peer's traffic crosses this host's link
+    twice (bootstrap/README.md#9-relaying-for-volunteers-behind-nat-what-it-costs)."""
 
     nat_port_map: bool | None = None
     """Ask the home router (UPnP / NAT-PMP) to forward the listening port. ``None`` enables it unless every host
     address is loopback, where it is useless and would only send discovery packets to the local network."""
 
     target_group_size: int = 32
-    """Largest group one round forms, 2-1024. Set it at or above the number of peers you expect, so that a round
-    is one swarm-wide average; when more peers arrive they split into several groups whose averages differ
-    (checksums then disagree and the minority resyncs). Powers of two are recommended by hivemind."""
+    """Largest group one round forms, 2-1024: set it at or above the number of peers you expect, so that a
+    round is one swarm-wide average (more peers split into groups whose averages differ, and the minority
+    resyncs). hivemind recommends powers of two."""
 
     min_group_size: int = 2
     """Fewest peers (this one included) a round needs, 2-1024; a smaller group is skipped rather than averaged.
     Raise it to make each round average over more data at the cost of more skipped rounds."""
 
     matchmaking_time_s: float = 15.0
-    """The longest a group leader keeps accepting members before it starts the round, 0.5-600 s. The group
-    forms sooner, as soon as every peer due this round (by the signed progress records the leader read) has
-    joined; the window only waits for stragglers, and for peers whose records claim a round they never join.
-    Choose about the spread of peers' arrival times plus a few DHT round trips: 15 s on home links, 2 s on
-    loopback. Longer keeps slow peers in their rounds, at the cost of rounds that wait for peers gone silent
-    (their records expire after ``progress_ttl_s``)."""
+    """The longest a group leader waits for stragglers before it starts the round, 0.5-600 s (sooner once
+    every due peer joined). Choose about the spread of peers' arrival times plus a few DHT round trips: 15 s
+    on home links, 2 s on loopback (peers/README.md#deadlines-and-group-sizes)."""
 
     adaptive_deadlines: bool = True
-    """Learn each round's matchmaking window and all-reduce deadline from the arrivals and all-reduce times this
-    peer observed (median plus 4 MADs over the last 9 rounds, ``core.deadlines``), with ``matchmaking_time_s``
-    and ``allreduce_timeout_s`` as the ceilings. A due peer that went silent then costs a round about the
-    swarm's usual arrival spread instead of the whole window, and a stuck all-reduce a few times its usual
-    length. ``False`` uses the fixed flags for every round (as when you must reproduce an old run)."""
+    """Learn each round's matchmaking window and all-reduce deadline from the times this peer observed (median
+    plus 4 MADs over the last 9 rounds), capped by the fixed flags. ``False`` uses the fixed flags every
+    round, to reproduce an old run (peers/README.md#deadlines-and-group-sizes)."""
 
     matchmaking_timeout_s: float = 60.0
-    """Total time to look for a group before the round is skipped, 1-3600 s. Must exceed ``matchmaking_time_s``
-    (leaders wait that long at least); about 3-4x it lets a peer retry with another leader. The search
-    ends here, and the wait for the round to begin lasts ``2 * request_timeout_s`` longer, so that a leader
-    that formed its group at the last moment still finds its followers (``swarm.patience``)."""
+    """Total time to look for a group before the round is skipped, 1-3600 s: it must exceed
+    ``matchmaking_time_s``, and about 3-4x it lets a peer retry with another leader. The wait for the round to
+    begin lasts ``2 * request_timeout_s`` longer (peers/README.md#deadlines-and-group-sizes)."""
 
     request_timeout_s: float = 5.0
-    """How long to wait for a potential leader's answer during matchmaking, 0.1-600 s. Must be below
-    ``matchmaking_time_s`` (hivemind breaks matchmaking deadlocks with it). About 10x the round-trip time.
-    Followers wait ``2 *`` this beyond hivemind's own limit for their leader to begin the round, which covers a
-    leader busy with its own join request plus an event-loop stall as long again. A leader turns away a join
-    request it could not answer within half of this, since the follower may have stopped waiting."""
+    """How long to wait for a potential leader's answer during matchmaking, 0.1-600 s, below
+    ``matchmaking_time_s``: about 10x the round-trip time. Followers wait ``2 *`` this beyond hivemind's own
+    limit for their leader to begin the round (peers/README.md#deadlines-and-group-sizes)."""
 
     allreduce_timeout_s: float = 600.0
-    """Deadline for the all-reduce once the group is formed, 1-86400 s. Set it to about 2x the expected time
-    2*(N-1)/N * S * 8 / B for S bytes of pseudo-gradients on an upload of B bit/s (150M fp32 parameters over
-    20 Mbit/s is about 480 s for the transfer alone). A round past it is skipped."""
+    """Deadline for the all-reduce once the group is formed, 1-86400 s; a round past it is skipped. Set it to
+    about 2x the expected ``2*(N-1)/N * S * 8 / B`` for S bytes of pseudo-gradients on an upload of B bit/s
+    (150M fp32 parameters over 20 Mbit/s: about 480 s for the transfer alone)."""
 
     next_chunk_timeout_s: float = 30.0
-    """A groupmate silent for this long during the all-reduce or a state download is treated as failed,
-    0.1-3600 s. Must cover one part (``part_size_bytes``) on the slowest link plus stalls: 512 KiB at 1 Mbit/s
-    takes about 4 s. Too short bans slow but healthy peers; too long delays fault detection. A member that dies
-    mid-round can cost up to about 5x this before the survivors report the round partial: a dead reducer 2x in
-    the all-reduce, then 2x again in the completion check, plus 1x for a groupmate that reached the check last.
-    Keep ``allreduce_timeout_s`` above that, or such a round is reported at the deadline instead (still
-    skipped, its work kept, but without naming the peer that failed)."""
+    """A groupmate silent this long in an all-reduce or a state download counts as failed, 0.1-3600 s: cover
+    one part on the slowest link plus stalls (512 KiB at 1 Mbit/s: about 4 s). Keep ``allreduce_timeout_s``
+    above about 5x it (peers/README.md#deadlines-and-group-sizes)."""
 
     part_size_bytes: int = 2**19
     """All-reduce messages carry parts of at most this many bytes, 1 KiB-64 MiB. hivemind's 512 KiB default
@@ -237,12 +222,10 @@ class SwarmConfig:
     stops publishing drops out of the swarm's view (epoch, speeds) after this long."""
 
     solo_after_s: float = 600.0
-    """How long a peer that has seen others of its run waits, seeing none, before it steps alone, 0-86400 s.
-    Until then a round without a group is skipped and its work carried into the next one. This is what keeps
-    a network partition from splitting the swarm: a peer cut off from the others would otherwise apply
-    solo rounds, race ahead in epochs, and on reconnecting make the connected majority download its state.
-    Set it to a few rounds: long enough to ride out a router restart, short enough that a volunteer whose
-    swarm went away still makes progress. A peer that never saw another one steps alone at once."""
+    """How long a peer that has seen others of its run waits, seeing none, before it steps alone, 0-86400 s;
+    until then it skips rounds, which keeps a partition from splitting the swarm. Set a few rounds: longer
+    than a router restart, short enough that a lone volunteer still progresses
+    (peers/README.md#deadlines-and-group-sizes)."""
 
     checksum_ttl_s: float = 1800.0
     """Lifetime of a published per-epoch parameter checksum, 1-86400 s. Keep it longer than a few rounds so
@@ -259,34 +242,24 @@ class SwarmConfig:
     """Grace period for background processes to stop before they are terminated, 0.1-120 s."""
 
     aggregation: Literal["auto", "mean", "trimmed-mean", "centered-clip"] = "auto"
-    """How reducers combine the group's pseudo-gradient parts. ``mean`` is the exact weighted average (trusted
-    or private swarms); ``centered-clip`` bounds what one hostile peer can do and equals the mean on clean data
-    of similar weights (open swarms); ``trimmed-mean`` drops each coordinate's extremes. ``auto`` (the
-    default, :meth:`aggregation_for`): ``centered-clip`` in an open swarm (no ``allowed_peers``) with a sparse
-    codec, where under ``mean`` one sender at 5x an honest norm owns every top-k reply, else ``mean``. Its cost
-    on clean data is in BENCHMARKS.md ("Top-k capture"). Every peer of a run should use the same value (with
-    ``auto``: the same ``allowed_peers`` setting and ``compression``)."""
+    """How reducers combine parts: ``mean`` (exact; trusted swarms), ``centered-clip`` (bounds a hostile peer)
+    or ``trimmed-mean``; ``auto`` picks ``centered-clip`` in an open swarm with a sparse codec, else ``mean``.
+    Every peer of a run should use the same value (peers/README.md#open-swarms-trust-and-admission)."""
 
     allowed_peers: str | None = None
     """File of peer ids (base58, one per line, '#' comments) allowed to average with this peer and download
-    its state: a private swarm. Enforced on the averaging and state RPCs, not only the DHT. Every member
-    should list every other member (and itself); ``None`` admits anyone."""
+    its state, enforced on the averaging and state RPCs: a private swarm. Every member should list every
+    member, itself included; ``None`` admits anyone."""
 
     trusted_peers: str | None = None
     """File of peer ids (base58, one per line, '#' comments) whose epochs, checksums and states this peer
-    trusts without having averaged with them: a run's organisers. Without it a peer trusts the peers it
-    completed a round with and the donor it loaded state from (``core.evidence``); a brand-new joiner then
-    trusts nobody yet and follows the swarm's largest epoch, which a Sybil can claim. Give it in an open
-    swarm whose organisers keep a few peers online. ``None``: trust is built from rounds only."""
+    trusts without having averaged with them: a run's organisers. ``None`` builds trust from rounds only
+    (peers/README.md#open-swarms-trust-and-admission)."""
 
     max_round_weight: float | None = None
-    """Largest weight (samples) a member may claim for one round; members claiming more are refused and banned
-    for the run, and this peer never claims more itself (work carried over skipped rounds beyond it counts
-    as this much). Default: what the run's configuration makes possible, ``ROUNDS_OF_WORK`` (4) rounds of
-    ``batch_size x local_steps`` samples, so one member weighs at most 4x a full honest round, instead of the
-    1000x its group's median that ``weight_outlier_ratio`` allows (with ``mean`` that was 99.9% of a group
-    of 3). Every peer of a run must use the same value: the same ``--batch-size`` and ``--local-steps``, or
-    this flag set explicitly. A bare swarm (no training config) uses 1e8."""
+    """Largest weight (samples) a member may claim for one round; larger claims are refused and banned, and
+    this peer never claims more. Default: 4 rounds of ``batch_size x local_steps``, which every peer of a run
+    must share (peers/README.md#open-swarms-trust-and-admission)."""
 
     weight_outlier_ratio: float = 1000.0
     """A member claiming more than this many times the group's lower-median weight is left out of the round,
