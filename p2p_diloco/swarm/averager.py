@@ -469,7 +469,7 @@ class RoundAverager(DecentralizedAverager):
         now = get_dht_time()
         deadline = self._join_timing.deadline(self.cfg.matchmaking_timeout_s)
         control = StepControl(
-            scheduled_time=JoinTiming.scheduled_time(now, deadlines.window_s, deadline, self.cfg.client_mode),
+            scheduled_time=self._join_timing.scheduled_time(now, deadlines.window_s, deadline, self.cfg.client_mode),
             deadline=deadline,
             allow_retries=False,
             weight=1.0,

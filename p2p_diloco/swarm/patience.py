@@ -101,10 +101,12 @@ class JoinTiming:
         """DHT-time deadline of a step whose search lasts ``search_seconds`` from now."""
         return get_dht_time() + search_seconds + self.patience
 
-    @staticmethod
-    def scheduled_time(now: float, window_s: float, deadline: float, client_mode: bool) -> float:
+    def scheduled_time(self, now: float, window_s: float, deadline: float, client_mode: bool) -> float:
         """The ``StepControl.scheduled_time`` of a step that starts ``now``: the end of its first window, or,
-        for a peer in client mode, its deadline.
+        for a peer in client mode, the end of its search (``deadline - patience``, what hivemind caps a join
+        request's expiration at anyway). Never the deadline itself: hivemind warns of a step scheduled at or
+        after its deadline that "averaging will likely fail due to timeout", every round, also in rounds that
+        average.
 
         hivemind's leader turns away a follower whose join request expires before the leader's own declared
         window ends (``BAD_EXPIRATION_TIME``), and the follower does not ask that leader again until it declares
@@ -119,7 +121,7 @@ class JoinTiming:
         client searched 12 s and was left behind). A request that expires at the end of the client's search
         is accepted by any leader whose window ends before it; the client still waits only until its deadline.
         """
-        return deadline if client_mode else now + window_s
+        return deadline - self.patience if client_mode else now + window_s
 
     @contextlib.contextmanager
     def leader_view(self, request: averaging_pb2.JoinRequest) -> Iterator[averaging_pb2.JoinRequest]:

@@ -8,18 +8,38 @@ registry; ``RoundAverager._shutdown`` finalizes ours (:func:`finalize`) and hand
 
 Functions of the registry they are given, not methods of the averager: the registry and the event are
 hivemind's, made in the averager process (their names are in ``tests/unit/test_hivemind_internals.py``).
+
+Each registered future is a :class:`RunnerSlot`: hivemind's ``rpc_aggregate_part`` awaits it unshielded, and a
+plain future is cancelled by the first waiter whose handler is cancelled (its sender died or closed its stream
+while the runner was being built), which ended every other sender's handler waiting with it in
+``CancelledError``: live groupmates lost their stream to this reducer and were banned from its parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 from hivemind.averaging.group_info import GroupInfo
 
 from p2p_diloco.swarm.completion import STATUS_SUFFIX
+
+
+class RunnerSlot(asyncio.Future[Any]):
+    """The future of one group's runner, which a waiter's cancellation does not cancel.
+
+    ``await slot`` waits through ``asyncio.shield``: a cancelled waiter ends alone, and the slot stays pending
+    for the others until the runner is set (:func:`set_runner`) or the registry itself cancels it
+    (:func:`registered`, :func:`finalize`), which still ends every waiter."""
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self.done():
+            return super().__await__()
+        return asyncio.shield(self).__await__()
+
+    __iter__ = __await__
 
 
 def finalize(groups: dict[bytes, Any]) -> None:
@@ -45,7 +65,7 @@ def registered(groups: dict[bytes, Any], pending: asyncio.Event, group_info: Gro
     group_ids = (group_info.group_id, group_info.group_id + STATUS_SUFFIX)
     try:
         for group_id in group_ids:
-            groups[group_id] = asyncio.Future()
+            groups[group_id] = RunnerSlot()
         pending.set()
         yield
     finally:
@@ -59,10 +79,9 @@ def registered(groups: dict[bytes, Any], pending: asyncio.Event, group_info: Gro
 def set_runner(groups: dict[bytes, Any], key: bytes, runner: Any) -> None:
     """Hand ``runner`` to the handlers waiting for group ``key`` (registered by :func:`registered`).
 
-    hivemind's rpc_aggregate_part awaits this future unshielded: a sender's handler cancelled while it waited
-    (the sender died, its stream closed) cancelled the future with it, and set_result raised
-    InvalidStateError, ending this member's round with its group unnamed. Handlers that arrive from now on
-    find the runner; the part of the one that died is missing, as it would be."""
+    A slot that is done already (cancelled from outside the registry) is replaced, so that ``set_result``
+    cannot raise ``InvalidStateError`` and end this member's round with its group unnamed; handlers that
+    arrive from then on find the runner."""
     if groups[key].done():
-        groups[key] = asyncio.get_running_loop().create_future()
+        groups[key] = RunnerSlot()
     groups[key].set_result(runner)

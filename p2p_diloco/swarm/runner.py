@@ -195,12 +195,47 @@ async def _numbered(stream: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]
         index += 1
 
 
-async def _until_received_all(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """A sender's input parts, ending at its ``RECEIVED_ALL`` acknowledgement."""
-    async for message in stream:
-        if message.code == RECEIVED_ALL:
+class _SenderInputs:
+    """One sender's input stream as a reducer reads it: its parts (:meth:`parts`), then, once every averaged
+    part went back, its ``RECEIVED_ALL`` acknowledgement (:meth:`acknowledgement`).
+
+    Why two reads: hivemind reads a sender's stream through ``aiter_with_timeout(..., sender_timeout)``, which
+    bounds each read, and whose timeout closes the stream for good. Read there, the acknowledgement's wait
+    began when the sender's last part was read, long before the reply it acknowledges, while that part waited
+    for the group's slower senders; past ``sender_timeout`` (a slow or relayed groupmate) the read timed out,
+    the reducer ended its reply stream right behind its last averaged part, and that part could be lost in
+    the p2p daemon (see ``RECEIVED_ALL``). So :meth:`parts` ends after the reducer's ``num_parts`` parts
+    without reading on, and the acknowledgement is read after the last reply went out, within its own
+    ``sender_timeout``. Nothing past a sender's ``num_parts`` parts reaches the reducer.
+    """
+
+    def __init__(self, stream: AsyncIterator[Any], num_parts: int):
+        self._stream, self._num_parts = stream, num_parts
+        self.acknowledged = False
+
+    async def parts(self) -> AsyncIterator[Any]:
+        """The sender's messages up to its ``num_parts``-th, or to its acknowledgement if that comes first."""
+        count = 0
+        async for message in self._stream:
+            if message.code == RECEIVED_ALL:
+                self.acknowledged = True
+                return
+            yield message
+            count += 1
+            if count >= self._num_parts:
+                return
+
+    async def acknowledgement(self, timeout: float | None) -> None:
+        """Wait for the sender's acknowledgement (or the end of its stream, or whatever it sends next), at most
+        ``timeout`` seconds; never raises. A sender that never acknowledges costs this wait, nothing else."""
+        if self.acknowledged:
             return
-        yield message
+        try:
+            await asyncio.wait_for(anext(self._stream), timeout)
+        except (StopAsyncIteration, asyncio.TimeoutError, TimeoutError):
+            return
+        except Exception as e:  # noqa: BLE001 - every part went back: a broken stream now changes nothing
+            logger.debug("A sender's stream failed after its last averaged part: %r", e)
 
 
 class _CountingStub:
@@ -357,7 +392,7 @@ class CountingAllReduceRunner(AllReduceRunner):
         try:
             async for tensor_part, weight, problem in amap_in_executor(
                 self._decode_input,
-                _numbered(_until_received_all(stream)),
+                _numbered(stream),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 if problem is not None:
@@ -380,10 +415,6 @@ class CountingAllReduceRunner(AllReduceRunner):
                     serialized = await self._equivocated(part_index, averaged_part, serialized)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-        except (asyncio.TimeoutError, TimeoutError):
-            if part_index != self.tensor_part_reducer.num_parts:
-                raise
-            # every part went back; only the acknowledgement is missing (see RECEIVED_ALL)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -428,9 +459,16 @@ class CountingAllReduceRunner(AllReduceRunner):
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in super().rpc_aggregate_part(_count_received(stream, self._counter), context):
+        """hivemind's handler of a sender's stream, which ends only after the sender acknowledged our last
+        averaged part (or ``sender_timeout`` after we sent it): see ``_SenderInputs``."""
+        inputs = _SenderInputs(_count_received(stream, self._counter), self.tensor_part_reducer.num_parts)
+        replied = 0
+        async for message in super().rpc_aggregate_part(inputs.parts(), context):
             self._counter.sent += message.ByteSize()
+            replied += message.code == averaging_pb2.AVERAGED_PART
             yield message
+        if 0 < replied == self.tensor_part_reducer.num_parts:
+            await inputs.acknowledgement(self.sender_timeout)
 
     def faults(self) -> list[str]:
         """Reasons why this peer's result may be a partial average; empty when everything it saw completed.

@@ -1,7 +1,8 @@
 """One round of real averager processes with a client-mode member (a peer behind NAT: nobody can dial it), in
 the fast tier: the client's parts go to the two full peers, which reduce them, it reduces nothing, and all three
-apply the same average. The whole scenario (joining, state download, many rounds) is
-``test_client_mode_swarm.py``."""
+apply the same average, and the client logs no hivemind warning that its round will fail (it asked for a start
+after its deadline, ``patience.JoinTiming.scheduled_time``). The whole scenario (joining, state download, many
+rounds) is ``test_client_mode_swarm.py``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
 pytestmark = pytest.mark.timeout(240)
 
 SHAPES = [[64, 32], [100]]
+FALSE_ALARM = "Changing scheduled time to after deadline"
+"""hivemind's warning for a step scheduled at or after its deadline (``StepControl.scheduled_time``)."""
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +53,5 @@ def test_a_client_mode_member_averages_with_full_peers(tmp_path: Path, bootstrap
                                                 strict=True)]
     got = [torch.tensor(t).reshape(w.shape) for t, w in zip(results["full1"]["fresh_mean"], want, strict=True)]
     assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+    for peer in peers:  # a round that averages is not announced as one that will time out
+        assert FALSE_ALARM not in peer.log_tail(10**7), f"{peer.name} warned that its round will fail"
