@@ -7,6 +7,7 @@ volunteers the ``run_peer --initial-peers ...`` line it prints at start.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -19,12 +20,16 @@ from p2p_diloco.config import RUN_ID_RULE, is_run_id
 from p2p_diloco.swarm.config import SwarmConfig
 from p2p_diloco.swarm.dht import SwarmStartError, start_dht, visible_maddrs
 from p2p_diloco.swarm.records import run_validator
-from p2p_diloco.swarm.relay_check import start_relay_dht
+from p2p_diloco.swarm.relay_check import RelayStartup, start_relay_dht
 
 logger = logging.getLogger(__name__)
 PROG = "run_bootstrap"
 READY_LINE = "Volunteers join with:"
 """Printed once the node is up (its relay checked): the addresses on the next line are the ones to use."""
+RELAY_LINE = "relay check:"
+"""Starts the line, printed just before the join line, that says how the relay check ended and how many p2p
+daemon starts it took (:func:`relay_line`; :func:`read_relay_line` reads it back)."""
+_RELAY_LINE_RE = re.compile(re.escape(RELAY_LINE) + r" (\w+) after (\d+) daemon starts? of at most (\d+)")
 
 
 @dataclass
@@ -50,15 +55,11 @@ class BootstrapConfig:
     relayed byte crosses this node's link twice; bootstrap/README.md says what that costs per round."""
 
     relay_check_starts: int = 32
-    """With ``use_relay``: how many times to start the p2p daemon until a check at start finds the right relay
-    answering (``swarm.relay_check``). The daemon runs two relays on one protocol and which one answers is
-    decided by a race at its start; with libp2p's default one, every relayed stream resets after 128 KiB and
-    volunteers behind NAT never average. Each check costs about 1 s (10 s when the stream stalls). The daemon
-    runs with one goroutine thread, which makes ours win most starts (``relay_check.one_go_thread``; measured
-    30 of 30 on an idle 2-core machine, 18 of 20 with three busy loops on it; with a thread per core the
-    default one won 10 of 10 there and 32 of 32 on the CI machine). 32 starts leave a bad relay about once in
-    10^30 node starts at the loaded rate (the node then logs an error and runs on). 0 skips the check (a node
-    on a private test network, where nobody relies on the relay)."""
+    """With ``use_relay``: how many times at most to start the p2p daemon until a check at start finds the
+    right one of its two relays answering (libp2p's default one resets every relayed stream after 128 KiB, and
+    volunteers behind NAT never average); 0 skips the check, for a private test network. 32 leave a bad relay
+    about once in 10^30 node starts under load
+    (bootstrap/README.md#9-relaying-for-volunteers-behind-nat-what-it-costs)."""
 
     metrics_port: int | None = None
     """Serve swarm-level Prometheus metrics (peers online, global epoch, tokens/s, per-peer epoch lag, rounds)
@@ -107,9 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         validators = [run_validator(run_id) for run_id in cfg.monitor_run_ids]
         if cfg.relay_check_starts:
-            dht, _ = start_relay_dht(swarm, validators, attempts=cfg.relay_check_starts)
+            startup = start_relay_dht(swarm, validators, attempts=cfg.relay_check_starts)
         else:
-            dht = start_dht(swarm, record_validators=validators)
+            startup = RelayStartup(start_dht(swarm, record_validators=validators), (), 0)
+        dht = startup.dht
     except SwarmStartError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
@@ -119,10 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         addrs = [a for a in visible_maddrs(dht) if "/p2p-circuit" not in a]
+        print(relay_line(cfg, startup), flush=True)
         print(f"bootstrap node {dht.peer_id} is up. {READY_LINE}", flush=True)
         print(f"  run_peer --initial-peers {' '.join(addrs)}", flush=True)
         if cfg.metrics_port:
-            _serve_swarm_metrics(cfg, dht)
+            _serve_swarm_metrics(cfg, dht, startup)
         print("Ctrl+C stops this node.", flush=True)
         stop.wait()
         print("shutting down", flush=True)
@@ -131,12 +134,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _serve_swarm_metrics(cfg: BootstrapConfig, dht) -> None:
+def relay_line(cfg: BootstrapConfig, startup: RelayStartup) -> str:
+    """How the relay check ended, with the p2p daemon starts it took and the verdict on each, in one line."""
+    if not cfg.use_relay:
+        return f"{RELAY_LINE} off (--use-relay false: this node relays for nobody)"
+    if not startup.checks:
+        return f"{RELAY_LINE} skipped (--relay-check-starts 0: nobody checked that relayed streams get through)"
+    starts = startup.starts
+    verdicts = ", ".join(c.verdict.value for c in startup.checks)
+    return (f"{RELAY_LINE} {startup.check.verdict.value} after {starts} daemon start{'s' if starts > 1 else ''} "
+            f"of at most {startup.limit} ({verdicts})")
+
+
+@dataclass(frozen=True)
+class RelayLine:
+    """A bootstrap's relay line, read back from its output."""
+
+    verdict: str
+    starts: int
+    limit: int
+
+
+def read_relay_line(output: str) -> RelayLine | None:
+    """The last relay line in a bootstrap's ``output`` with a verdict; ``None`` if there is none (not checked)."""
+    found = _RELAY_LINE_RE.findall(output)
+    if not found:
+        return None
+    verdict, starts, limit = found[-1]
+    return RelayLine(verdict, int(starts), int(limit))
+
+
+def _serve_swarm_metrics(cfg: BootstrapConfig, dht, startup: RelayStartup) -> None:
     from prometheus_client import start_http_server
 
     from p2p_diloco.monitoring import SwarmExporter
+    from p2p_diloco.monitoring.relay_metrics import RelayStartsCollector
 
     exporter = SwarmExporter(dht, cfg.monitor_run_ids, interval_s=cfg.monitor_interval_s)
+    exporter.registry.register(RelayStartsCollector(startup.checks, startup.limit))
     try:
         start_http_server(cfg.metrics_port, registry=exporter.registry)
     except OSError as e:

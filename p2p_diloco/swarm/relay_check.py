@@ -62,7 +62,8 @@ class RelayVerdict(enum.Enum):
     """What a relay check found."""
 
     PASSED = "passed"
-    """A relayed stream carried the whole payload: the configured relay answers."""
+    """A relayed stream carried the payload, or more of it than the default relay ever carries: the configured
+    relay answers."""
     RESET = "reset"
     """The relayed stream was cut before the payload arrived: libp2p's default relay answers."""
     UNREACHABLE = "unreachable"
@@ -134,12 +135,8 @@ async def _check(relay_maddr: str, timeout_s: float) -> RelayCheck:
             await asyncio.wait_for(asyncio.shield(done), max(0.1, deadline - time.monotonic()))
             writer.close()
         except (ConnectionError, OSError, asyncio.TimeoutError) as e:
-            if received >= PAYLOAD_BYTES:
-                return result(RelayVerdict.PASSED, "the whole payload arrived")
-            return result(RelayVerdict.RESET, f"the relayed stream ended after {received} bytes: {e!r}")
-        if received >= PAYLOAD_BYTES:
-            return result(RelayVerdict.PASSED, "the whole payload arrived")
-        return result(RelayVerdict.RESET, f"the relayed stream ended after {received} bytes")
+            return result(*stream_verdict(received, e))
+        return result(*stream_verdict(received, None))
     except Exception as e:  # a daemon that did not start, a relay that refused the reservation
         return result(RelayVerdict.UNREACHABLE, f"{type(e).__name__}: {e}"[:300])
     finally:
@@ -148,6 +145,20 @@ async def _check(relay_maddr: str, timeout_s: float) -> RelayCheck:
                 await daemon.shutdown()
             except Exception:  # a daemon already gone
                 logger.debug("relay check: shutting down a throwaway daemon failed", exc_info=True)
+
+
+def stream_verdict(received: int, error: BaseException | None) -> tuple[RelayVerdict, str]:
+    """The verdict on a relayed stream that ended (``error``: how, ``None`` if cleanly) after ``received``
+    payload bytes. Past :data:`DEFAULT_RELAY_LIMIT_BYTES` the default relay cannot have carried it (its limit
+    counts the circuit's framing too), so a stream that stalled there on a loaded host is our relay, slow: a
+    restart would only draw the race again. At or below it, the stream was cut: the default relay answered."""
+    how = f": {error!r}" if error is not None else ""
+    if received >= PAYLOAD_BYTES:
+        return RelayVerdict.PASSED, "the whole payload arrived"
+    if received > DEFAULT_RELAY_LIMIT_BYTES:
+        return RelayVerdict.PASSED, (f"{received} bytes arrived, past libp2p's default relay limit of "
+                                     f"{DEFAULT_RELAY_LIMIT_BYTES}, before the stream ended{how}")
+    return RelayVerdict.RESET, f"the relayed stream ended after {received} bytes{how}"
 
 
 START_TRIES = 40
@@ -221,24 +232,48 @@ def one_go_thread() -> Iterator[None]:
             os.environ[GO_THREADS_ENV] = saved
 
 
+@dataclass(frozen=True)
+class RelayStartup:
+    """What :func:`start_relay_dht` did: the DHT it left running and the check of every daemon it started."""
+
+    dht: hivemind.DHT
+    checks: tuple[RelayCheck, ...]
+    """The last check of each daemon started, in order: every one but the last said
+    :attr:`RelayVerdict.RESET` (a restart). Empty when the host does not relay (nothing was checked)."""
+    limit: int
+    """Most daemon starts allowed (``attempts``)."""
+
+    @property
+    def check(self) -> RelayCheck | None:
+        """The check of the daemon that runs; ``None`` when nothing was checked."""
+        return self.checks[-1] if self.checks else None
+
+    @property
+    def starts(self) -> int:
+        """Daemons started to check the relay (0: not checked)."""
+        return len(self.checks)
+
+
 def start_relay_dht(
     cfg: SwarmConfig, record_validators: Iterable[RecordValidatorBase] = (), attempts: int = 32,
     timeout_s: float = 10.0,
-) -> tuple[hivemind.DHT, RelayCheck | None]:
+) -> RelayStartup:
     """``start_dht`` for a host that relays (``cfg.relay_service``), with the relay checked at start.
 
     While the check finds libp2p's default relay answering (:attr:`RelayVerdict.RESET`), the DHT is shut
     down and started again with the same identity file and addresses (so the same join address when
     ``cfg.identity_path`` and a fixed port are given, as ``run_bootstrap`` requires), at most ``attempts`` times
     in all (each fresh daemon is an independent draw; each daemon runs with one goroutine thread, which makes
-    our relay win most draws: :func:`one_go_thread`). A check that could not reach the relay is repeated on the same daemon
-    (``UNREACHABLE_CHECKS``). The last check is returned; ``None`` when ``cfg`` does not relay. Raises ``SwarmStartError`` as ``start_dht`` does.
+    our relay win most draws: :func:`one_go_thread`). A check that could not reach the relay is repeated on the
+    same daemon (``UNREACHABLE_CHECKS``). Every start is logged with its verdict and, for a restart, why; the
+    result counts them. Raises ``SwarmStartError`` as ``start_dht`` does.
     """
     validators = list(record_validators)
     if not (cfg.relay_service and cfg.use_relay):
-        return start_dht(cfg, validators), None
+        return RelayStartup(start_dht(cfg, validators), (), 0)
     if attempts < 1:
         raise ValueError(f"attempts must be at least 1, got {attempts}")
+    checks: list[RelayCheck] = []
     for attempt in range(1, attempts + 1):
         with one_go_thread():
             dht = start_dht(cfg, validators)
@@ -253,20 +288,25 @@ def start_relay_dht(
                 logger.warning("Relay check: no relayed connection within %.0f s (%s); checking again", timeout_s,
                                check.detail)
                 check = check_relay(address, timeout_s)
+        checks.append(check)
+        restart = check.verdict is RelayVerdict.RESET and attempt < attempts
+        why = "; restarting the p2p daemon: libp2p's default relay answers" if restart else ""
+        logger.log(logging.INFO if check.verdict is RelayVerdict.PASSED else logging.WARNING,
+                   "Relay check, daemon start %d of at most %d: %s in %.1f s (%s)%s", attempt, attempts,
+                   check.verdict.value, check.seconds, check.detail, why)
         if check.verdict is not RelayVerdict.RESET:
             log = logger.info if check.verdict is RelayVerdict.PASSED else logger.warning
             log("Relay check %s after %d daemon start(s) (%.1f s): %s", check.verdict.value, attempt,
                 check.seconds, check.detail)
-            return dht, check
-        logger.warning("Relay check: libp2p's default relay answers (%s); restarting the p2p daemon (start %d of "
-                       "%d)", check.detail, attempt, attempts)
-        if attempt < attempts:
+            return RelayStartup(dht, tuple(checks), attempts)
+        if restart:
             dht.shutdown()
     logger.error("Relay check: the relay still resets relayed streams after %d daemon starts; peers behind NAT "
                  "that rely on it will not average. Restart this node, or give those peers a forwarded port",
                  attempts)
-    return dht, check
+    return RelayStartup(dht, tuple(checks), attempts)
 
 
-__all__ = ["RelayCheck", "RelayVerdict", "SwarmStartError", "check_relay", "local_dial_address", "one_go_thread",
-           "start_relay_dht", "PAYLOAD_BYTES", "UNREACHABLE_CHECKS", "DEFAULT_RELAY_LIMIT_BYTES"]
+__all__ = ["RelayCheck", "RelayStartup", "RelayVerdict", "SwarmStartError", "check_relay", "local_dial_address",
+           "one_go_thread", "start_relay_dht", "stream_verdict", "PAYLOAD_BYTES", "UNREACHABLE_CHECKS",
+           "DEFAULT_RELAY_LIMIT_BYTES"]

@@ -9,6 +9,7 @@ Needs root and iptables (CI has both); skips with the reason elsewhere.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -18,7 +19,7 @@ import pytest
 from swarm_procs import FAST, start_together
 
 from benchmarks.testbed import MADDR, Testbed, missing_requirements, start_swarm, wait_peers
-from p2p_diloco.cli.run_bootstrap import READY_LINE
+from p2p_diloco.cli.run_bootstrap import READY_LINE, BootstrapConfig, read_relay_line
 from p2p_diloco.demo import announced
 from p2p_diloco.peer.runlog import read_records
 
@@ -83,6 +84,18 @@ def _tail(out: Path, name: str) -> str:
     return path.read_text()[-3000:] if path.exists() else ""
 
 
+def _assert_relay_checked(out: Path) -> None:
+    """The bootstrap's relay check passed and it reported its p2p daemon starts: in the line before its join
+    line, within its limit (``--relay-check-starts``, default here), and in one log line per start. With
+    libp2p's default relay answering every relayed round resets, and nothing else a test asserts holds."""
+    text = (out / "bootstrap.out").read_text()
+    line = read_relay_line(text)
+    assert line is not None and line.verdict == "passed", _tail(out, "bootstrap")
+    assert 1 <= line.starts <= line.limit == BootstrapConfig().relay_check_starts, (line, _tail(out, "bootstrap"))
+    logged = re.findall(rf"daemon start \d+ of at most {line.limit}: (\w+)", text)
+    assert logged == ["reset"] * (line.starts - 1) + ["passed"], (line, logged)
+
+
 def _together(peers: int) -> dict[int, dict[str, str]]:
     """Every peer's environment for a swarm started at once that must average from epoch 0 (start_together: a
     CI rehearsal without it saw a port-forwarded peer miss epochs 0-3, and an unreachable peer up first apply
@@ -124,6 +137,7 @@ def test_client_mode_home_peers_average_with_a_public_full_peer(tmp_path: Path) 
     with Testbed(4, 20, homes=(2, 3), prefix=_prefix("nc")) as bed:
         codes, rounds = _run(bed, tmp_path, {2: ["--client-mode", "true"], 3: ["--client-mode", "true"]},
                              relay=True)
+    _assert_relay_checked(tmp_path)
     # Three of six rounds in one group of 3, as in the other NAT tests, and more below. For seven CI rehearsals
     # this test asserted only one such round: the epochs with all three together fell 6, 6, 5, 6, 4, 3, 2, as a
     # present client was turned away by the public leader that started its round a moment after it (hivemind's
@@ -167,7 +181,7 @@ def test_relayed_home_peers_average_with_only_the_bootstrap_public(tmp_path: Pat
     # it downloaded the others' state through the relay: at start (it came up after they stepped on) or after
     # its slow first round (a first download may fail when its donors step on meanwhile)
     # the relay first: with libp2p's default one answering every relayed round resets, and nothing below holds
-    assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
+    _assert_relay_checked(tmp_path)
     slow = rounds["peer3"]
     starts = read_records(tmp_path / "peer3.jsonl", "start")
     assert (starts and starts[0]["how"].startswith("joined")) or any(r["outcome"] == "resynced" for r in slow), (
@@ -234,6 +248,7 @@ def test_doctor_reachability_line_tells_each_home_setup_apart(tmp_path: Path) ->
             out, _ = proc.communicate(timeout=180)
             seen[case] = next((line for line in out.splitlines() if "reachability:" in line), out[-2000:])
         procs["bootstrap"].terminate()
+    _assert_relay_checked(tmp_path)
     for case, (_, expected) in cases.items():
         assert seen[case].startswith(expected), (case, seen[case])
 
@@ -259,7 +274,7 @@ def test_a_mixed_swarm_public_forwarded_relayed_and_client(tmp_path: Path) -> No
     members = ("peer1", "peer2", "peer3", "peer4")
     rounds = {n: _rounds(tmp_path, n) for n in members}
     assert codes == {n: 0 for n in members}, {n: _tail(tmp_path, n) for n in members}
-    assert "Relay check passed" in (tmp_path / "bootstrap.out").read_text(), _tail(tmp_path, "bootstrap")
+    _assert_relay_checked(tmp_path)
     by_epoch: dict[int, dict[str, dict]] = defaultdict(dict)
     for name, rows in rounds.items():
         for r in rows:
