@@ -8,31 +8,35 @@ facts alone:
 1. each member announces the L2 norm of its fresh and of its late pseudo-gradient with its weights, before
    the group forms (``swarm.group.MemberInfo``); a claim far above the group's (per unit of weight) is
    clipped to ``factor`` times the lower median, as the norm screen would clip it (:func:`clip_claims`);
-2. reducers clip each sender's pre-scaled parts so that, summed over a span, their norm stays within that
-   sender's limit ``L_k = tolerance * scale_k * claim_k`` (:func:`clip_to_budget`), so a sender that
-   understates its norm cannot push an honest reducer over the bound;
-3. mean, trimmed mean and centered clipping all return a vector no longer than ``sqrt(sum_k |y_k|^2)`` of
+2. with error feedback it also announces what its residual adds to its next parts (``carried``,
+   ``core.codecs.ErrorFeedback.carried_norm``: the residual as the codec selects it, e.g. its chunked top-k
+   norm), signed with the same metadata (``swarm.claims``); a part then sends at most ``gain * (s * |g| +
+   carried)`` (:func:`fresh_limits`);
+3. reducers clip each sender's pre-scaled parts so that, summed over a span, their norm stays within that
+   sender's limit ``L_k`` (:func:`clip_to_budget`), so a sender that understates its norms cannot push an
+   honest reducer over the bound;
+4. mean, trimmed mean and centered clipping all return a vector no longer than ``sqrt(sum_k |y_k|^2)`` of
    their inputs ``y_k`` (the trimmed mean and the median coordinate by coordinate, centered clipping because
    each iteration is a convex step from a point inside that ball), and the reducer then rescales by at most
    :func:`rescale_bound`, and encodes the result with the reply codec, which never goes through error
    feedback. So an honest reducer's output over any span of one region is no longer than
-   ``reply_gain * rescale_bound * sqrt(sum_k L_k^2)`` (:func:`output_bound`): the senders' tolerance is in
-   the ``L_k`` once, and the reply adds only its codec's own gain (``NormTolerance.reply``).
+   ``reply_gain * rescale_bound * sqrt(sum_k L_k^2)`` (:func:`output_bound`).
 
 Every member computes the same bound from the same gathered metadata and receives the same bytes from an
 honest reducer, so every honest member reaches the same verdict on it. The bound limits the damage of a
-hostile reducer to about ``sqrt(n)`` times the largest plausible pseudo-gradient; values that are wrong but
+hostile reducer to about ``sqrt(n)`` times the largest plausible announced part; values that are wrong but
 inside it (a flipped sign, a 2x scale) are not detected.
 
 Tolerance (:class:`NormTolerance`). Lossy codecs can raise a vector's norm when they round (E3M0 by up to
-1/3 per value), and error feedback adds last round's rounding error to this round's values. :func:`norm_tolerance` covers the first
-exactly; for the second it allows a residual as large as the round's own values, and a sender whose residual
-is larger still (its pseudo-gradient shrank several-fold since the last round) has its parts clipped a little,
-losing part of that residual, never the round. That allowance belongs to the senders' parts of the fresh
-region only: late work is sent without error feedback and replies are never fed back, so both use the
-codec's plain gain. Under top-k at 64/4096 with error feedback the senders' factor is 17.6, and the reducer
-check sits at ``17.6 * 1.1`` times the senders' clipped claims (``sqrt(n)``-weighted) against ``1.001**2`` under
-fp32; applying 17.6 on the reply as well had allowed ``17.6**2``.
+1/3 per value): :func:`norm_tolerance` covers that exactly (``plain``). Error feedback adds last round's
+unsent values to this round's, and a sparse sender's residual, in a steady state, sends up to
+``1/sqrt(density)`` times its pseudo-gradient's norm, more when replies drop its entries. The announced
+``carried`` norm covers that, so limits follow what each member says it sends, and a hostile reducer may send
+about as many announced totals as under fp32: 2.42 against 2.004 with 4 equal members, 1.21x (the part's and
+the reply's codec gains). The announcement is a claim: each member's total is clipped against the group's like
+the norms (:func:`fresh_limits`), so a hostile member gains what an inflated norm claim gains under fp32.
+``float(tolerance)``, the codec's worst case with error feedback (17.6 at 64/4096), is what the bound was
+before members announced; it now only says that the codec carries a residual.
 """
 
 from __future__ import annotations
@@ -75,10 +79,12 @@ def norm_tolerance(codec: str, error_feedback: bool, density: float = 1.0) -> fl
 
 
 class NormTolerance(float):
-    """A codec's norm tolerances: as a float, the senders' factor on the fresh region (:func:`norm_tolerance`,
-    with error feedback where the codec uses it), what their announced norms are multiplied by; ``plain``:
-    the factor for parts sent without error feedback (the late-work region); ``reply``: the factor on a
-    reducer's reply, which is encoded once and never fed back. Make one with :meth:`of`."""
+    """A codec's norm tolerances: as a float, the senders' worst-case factor on the fresh region
+    (:func:`norm_tolerance`, with error feedback where the codec uses it: above ``plain`` exactly when senders
+    carry a residual, whose norm they announce, :func:`fresh_limits`); ``plain``: the codec's gain on what is
+    sent (``plain * (s * claim + carried)`` for fresh parts, ``plain * s * claim`` for the late work, sent
+    without error feedback); ``reply``: the factor on a reducer's reply, which is encoded once and never fed
+    back. Make one with :meth:`of`."""
 
     plain: float
     reply: float
@@ -132,6 +138,29 @@ def clip_claims(claims: Sequence[float], weights: Sequence[float], factor: float
         return clipped
     cap = factor * ratios[(len(ratios) - 1) // 2]  # the lower median: one inflated claim cannot raise it
     return [min(c, cap * w) if w > 0 else 0.0 for c, w in zip(clipped, weights, strict=True)]
+
+
+def fresh_limits(prescaled: Sequence[float], carried: Sequence[float], weights: Sequence[float], factor: float,
+                 tolerance: float) -> list[float]:
+    """Per sender, the most its pre-scaled fresh parts may weigh (L2, all parts of the region together).
+
+    ``prescaled[k]`` is ``s_k * c_k``: the sender's scale times its clipped norm claim (``GroupPlan.
+    sender_limits`` with tolerance 1); ``carried[k]`` what it announced its residual adds
+    (``ErrorFeedback.carried_norm``); ``weights`` its fresh weight. Its parts then weigh at most ``plain *
+    (s_k c_k + carried_k)``. The totals are claims, clipped to ``factor`` times the group's lower median per
+    unit of weight (:func:`clip_claims`) as the norms are, so a member cannot announce its way past what the
+    others announce; a member without fresh work sends zeros, and with a codec without error feedback
+    (``float(tolerance) == plain``) nothing is carried and announcements are ignored. Not capped by the
+    codec's worst case: with ``decay = 1`` honest residuals outgrow it (the replies' top-k delivers ``k`` of
+    a chunk for the whole group, so aligned senders' residuals grow to about ``n / sqrt(density)`` times
+    their parts)."""
+    plain = plain_tolerance(tolerance)
+    feedback = float(tolerance) > plain
+    totals = []
+    for base, extra, weight in zip(prescaled, carried, weights, strict=True):
+        extra = float(extra) if feedback and math.isfinite(extra) and extra > 0 and weight > 0 else 0.0
+        totals.append(float(base) + extra)
+    return [plain * total for total in clip_claims(totals, weights, factor)]
 
 
 def rescale_bound(sender_weights: Sequence[float]) -> float:

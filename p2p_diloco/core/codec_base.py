@@ -87,6 +87,14 @@ class Codec(ABC):
         """``decode(encode(t))``: what a receiver will see."""
         return self.decode(self.encode(t), t.shape)
 
+    def selection_norm(self, t: Tensor) -> float:
+        """A norm of ``t`` that bounds what this codec sends of it: ``|roundtrip(t)| <= gain * selection_norm(t)``
+        with the codec's ``core.bounds.CODEC_NORM_GAIN``. It obeys the triangle inequality, so a sender with error
+        feedback bounds ``|roundtrip(values + residual)|`` by ``gain * (|values| + selection_norm(residual))``.
+        Dense codecs send every value: the L2 norm (float64). Sparse codecs measure only what they can select
+        (``core.sparse.TopKCodec.selection_norm``)."""
+        return float(torch.linalg.vector_norm(t.detach().to(device="cpu", dtype=torch.float64)))
+
     @property
     def reply_codec(self) -> Codec:
         """The codec a reducer sends its aggregate back with: the same one, except for the sparse codecs,

@@ -65,6 +65,8 @@ bf16 levels (low, high), then ``ceil(n/4)`` bytes of codes, four per byte from t
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from abc import abstractmethod
 from collections.abc import Hashable
 from typing import Literal, get_args
@@ -375,6 +377,9 @@ class ErrorFeedback:
     it pointed in stopped mattering. See ``OuterConfig.error_feedback_decay``.
 
     Residuals are fp32 on the CPU: one extra copy of everything encoded through this object.
+
+    What the residuals add to the next encodings is announced before they are sent (:meth:`carried_norm`), so
+    that receivers can bound what this sender sends (``core.bounds.fresh_limits``).
     """
 
     def __init__(self, codec: Codec, decay: float = 1.0) -> None:
@@ -383,6 +388,9 @@ class ErrorFeedback:
         self.codec = codec
         self.decay = float(decay)
         self._residuals: dict[Hashable, Tensor] = {}
+        self._version = 0  # counts changes to the residuals: :meth:`carried_norm` is cached per version
+        self._carried: tuple[int, float] = (0, 0.0)
+        self._carried_lock = threading.Lock()
 
     def encode(self, key: Hashable, t: Tensor) -> bytes:
         corrected = t.detach().to(device="cpu", dtype=torch.float32, copy=True)
@@ -396,6 +404,7 @@ class ErrorFeedback:
                 )
         data = self.codec.encode(corrected)
         self._residuals[key] = corrected.sub_(self.codec.decode(data, corrected.shape))
+        self._version += 1
         return data
 
     def credit_undelivered(self, key: Hashable, sent: Tensor, delivered: Tensor) -> int:
@@ -421,6 +430,7 @@ class ErrorFeedback:
         flat = residual.reshape(-1)
         flat[undelivered] += sent[undelivered]
         self._residuals[key] = flat.reshape(residual.shape)
+        self._version += 1
         return int(undelivered.sum())
 
     def residual(self, key: Hashable) -> Tensor | None:
@@ -434,6 +444,33 @@ class ErrorFeedback:
             self._residuals.clear()
         else:
             self._residuals.pop(key, None)
+        self._version += 1
+
+    def __getstate__(self) -> dict[str, object]:  # copies (a codec per fragment) and pickles get a lock of their own
+        state = dict(self.__dict__)
+        del state["_carried_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._carried_lock = threading.Lock()
+
+    def carried_norm(self) -> float:
+        """How much the residuals add to the next encodings, measured as the codec selects values: ``decay``
+        times the L2 combination over keys of ``codec.selection_norm(residual)``. By the triangle inequality per
+        key and Minkowski's over keys, the next encodings of values ``v`` (all keys together) are no longer than
+        ``gain * (|v| + carried_norm())``: what a sender announces before it sends (``core.bounds.fresh_limits``).
+        One top-k pass over the residuals (about as long as encoding them), cached until a residual changes;
+        safe to call from another thread."""
+        with self._carried_lock:
+            version = self._version
+            if self._carried[0] == version:
+                return self._carried[1]
+            residuals = list(self._residuals.values())
+            norm = self.decay * math.sqrt(math.fsum(self.codec.selection_norm(r) ** 2 for r in residuals))
+            if self._version == version:  # no encoding changed a residual meanwhile
+                self._carried = (version, norm)
+            return norm
 
     def __len__(self) -> int:
         return len(self._residuals)

@@ -279,6 +279,20 @@ class TopKCodec(_SparseBase):
                 + _pack_bits(offsets[kept].numpy(), self.index_bits)
                 + _pack_bits(codes[kept].numpy(), self.value_bits))
 
+    def selection_norm(self, t: Tensor) -> float:
+        """The chunked top-k norm: per chunk of ``t`` (flattened, as :meth:`encode` chunks a part) the L2 norm of
+        its ``k`` largest magnitudes, combined in L2 over the chunks (float64). A part never sends more than that
+        (times the levels' rounding); per chunk it is the largest L2 norm of any ``k`` values, a maximum of
+        seminorms, so it obeys the triangle inequality (``Codec.selection_norm``). Costs one top-k pass."""
+        flat = t.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        if flat.numel() == 0:
+            return 0.0
+        chunks = self.num_chunks(flat.numel())
+        padded = torch.zeros(chunks * self.chunk_size, dtype=torch.float32)
+        padded[: flat.numel()] = flat.abs()
+        top = padded.view(chunks, self.chunk_size).topk(min(self.k, self.chunk_size), dim=1).values
+        return float(torch.linalg.vector_norm(top.double()))
+
     def _levels(self, magnitude: Tensor, kept: Tensor, counts: Tensor) -> tuple[np.ndarray, Tensor, Tensor]:
         """Per chunk the bf16 level(s) and, per kept value, whether it takes the high level."""
         safe_counts = counts.clamp(min=1).to(torch.float32)

@@ -42,7 +42,7 @@ from p2p_diloco.swarm.access import serve_bounded
 from p2p_diloco.swarm.averager_process import AveragerProcess
 from p2p_diloco.swarm.buffer_layout import BufferLayout
 from p2p_diloco.swarm.chunk_transfer import ServingCounters, request_chunks, request_manifests
-from p2p_diloco.swarm.claims import sign_gather, signing_key
+from p2p_diloco.swarm.claims import signing_key
 from p2p_diloco.swarm.config import SwarmConfig, read_allowed_peers
 from p2p_diloco.swarm.group import (
     FINGERPRINT_PATTERN,
@@ -52,7 +52,7 @@ from p2p_diloco.swarm.group import (
 from p2p_diloco.swarm.hivemind_codecs import CodecCompression, wire_norm_tolerance
 from p2p_diloco.swarm.patience import JoinTiming
 from p2p_diloco.swarm.protocol import averager_prefix
-from p2p_diloco.swarm.round_process import HivemindSide
+from p2p_diloco.swarm.round_process import HivemindSide, SignedStep
 from p2p_diloco.swarm.round_wait import wait_for_round
 from p2p_diloco.swarm.runner import (
     FaultHook,
@@ -198,7 +198,7 @@ class RoundAverager(DecentralizedAverager):
             peer_id=self.peer_id, matchmaking=self._matchmaking, p2p=self._p2p, prefix=self.prefix,
             servicer_type=type(self), tensors=self.get_tensors, allreduce_kwargs=self.allreduce_kwargs,
             allreduce_timeout=self._allreduce_timeout, groups=self._running_groups,
-            pending=self._pending_groups_registered,
+            pending=self._pending_groups_registered, claim_key=self._claim_key,
         )
 
     async def _run_command(self, command: commands.Command) -> None:
@@ -390,7 +390,8 @@ class RoundAverager(DecentralizedAverager):
         stale_shared = [_shared(src) for src in stale] if has_stale else None
         try:
             deadlines = self.deadlines.next_round(published)
-            gather = sign_gather(encode_gather(self.bandwidth, self.mode, info), self._claim_key)
+            # signed in the averager process, with what the codec's residuals add (``round_process``)
+            gather = encode_gather(self.bandwidth, self.mode, info)
             control = self._begin_step(gather, tuple(due), deadlines, stale_shared, step_back=step_back, epoch=epoch,
                                        fragment=fragment)
         except Exception as e:
@@ -465,10 +466,11 @@ class RoundAverager(DecentralizedAverager):
         """hivemind's ``step(wait=False)`` with a bounded hand-shake and no retries inside a round; the
         window and the all-reduce deadline are this round's ``deadlines``, ``stale`` the round's late work,
         ``epoch`` and ``fragment`` pick the round's matchmaking key (``protocol.round_group_bits`` of the round's
-        number, ``BufferLayout.round_number``)."""
+        number, ``BufferLayout.round_number``). ``data_for_gather`` is our metadata (``group.encode_gather``),
+        unsigned: the averager process signs it with the codec's carried norm (``round_process``)."""
         now = get_dht_time()
         deadline = self._join_timing.deadline(self.cfg.matchmaking_timeout_s)
-        control = StepControl(
+        control = SignedStep(
             scheduled_time=self._join_timing.scheduled_time(now, deadlines.window_s, deadline, self.cfg.client_mode),
             deadline=deadline,
             allow_retries=False,
@@ -518,9 +520,10 @@ class RoundAverager(DecentralizedAverager):
 
 
 def codec_tolerance(compression: CompressionBase) -> float | None:
-    """The norm tolerances the round checks use for ``compression``: ``hivemind_codecs.wire_norm_tolerance``
-    for the senders' fresh parts, and for our codecs also the plain factor of the late work and the replies
-    (``core.bounds.NormTolerance``), so the error-feedback allowance enters the reducers' bound only once."""
+    """The norm tolerances the round checks use for ``compression`` (``core.bounds.NormTolerance``): the codec's
+    plain factor for what is sent (with the carried norm each sender announces, ``core.bounds.fresh_limits``)
+    and for the replies; as a float, ``hivemind_codecs.wire_norm_tolerance``, the worst case that caps what a
+    sender may announce its error feedback carries."""
     tolerance = wire_norm_tolerance(compression)
     if tolerance is None or not isinstance(compression, CodecCompression):
         return tolerance  # dense: no error feedback, one factor for all

@@ -9,7 +9,11 @@ entry before ``plan_group`` sees it:
 
 - the entry carries the signer's public key, and that key's libp2p peer id must be the member's id in the
   group (so a claim names the one peer that could have made it);
-- the signature covers a fixed context string and the metadata, which names the run, the model and the epoch.
+- the signature covers a fixed context string and the metadata, which names the run, the model and the epoch,
+  and the member's ``carried`` norm: what its error-feedback residual adds to the parts it is about to send
+  (``core.codecs.ErrorFeedback.carried_norm``; ``core.bounds.fresh_limits`` bounds its parts, and so the
+  reducers' replies, with it). The host builds the metadata; the averager process, which holds the codec and
+  its residuals, adds the carried norm and signs both when the round's search begins (``round_process``).
 
 An entry that fails is refused for the round as malformed, and nobody is banned: it may be the leader's forgery
 as well as the member's junk, and this peer cannot tell which. A valid entry is the member's own claim, so
@@ -18,6 +22,8 @@ the bans ``plan_group`` decides on it (a weight over ``max_round_weight``, a pee
 of the same run and epoch into another group, or leave members out: either only makes the round fail, as a
 leader that never starts it does too.
 
+Wire form: msgpack ``[metadata, carried, public key, signature]``, ``carried`` a float in ``[0, MAX_CARRIED]``.
+
 Cost: one RSA signature per round and member (about a millisecond) and one verification per member and round
 (tens of microseconds); a verified key is cached per peer id.
 """
@@ -25,8 +31,11 @@ Cost: one RSA signature per round and member (about a millisecond) and one verif
 from __future__ import annotations
 
 import logging
+import math
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -36,22 +45,40 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco.swarm.signing import peer_id_of_public_key, signing_key
 
-__all__ = ["open_gather", "open_gathered", "sign_gather", "signing_key", "unsigned_payload"]
+__all__ = ["Claim", "open_claim", "open_gather", "open_gathered", "sign_gather", "signing_key", "unsigned_payload"]
 
 logger = logging.getLogger(__name__)
 
-CONTEXT = b"p2p_diloco group metadata v1\x00"
+CONTEXT = b"p2p_diloco group metadata v2\x00"
 """Prefix of every signed claim, so that a claim's signature is worth nothing as any other signed message."""
 MAX_SIGNED_GATHER_BYTES = 8192
 """The largest signed entry read: metadata (at most 4096 bytes), a public key and a signature of up to
 4096-bit RSA."""
+MAX_CARRIED = 1e30
+"""The largest carried norm read (``group.MAX_NORM``'s bound on norms)."""
 _MAX_CACHED_KEYS = 4096
 _KEYS: OrderedDict[bytes, tuple[bytes, RSAPublicKey]] = OrderedDict()  # peer id -> (ssh key, parsed key)
 
 
-def sign_gather(inner: bytes, key: RSAPrivateKey) -> bytes:
-    """``inner`` (``group.encode_gather``) signed with ``key``: what hivemind gathers from this member."""
-    return MSGPackSerializer.dumps([inner, key.get_public_key().to_bytes(), key.sign(CONTEXT + inner)])
+class Claim(NamedTuple):
+    """One member's verified claim: its metadata (``group.decode_gather`` reads it) and its carried norm."""
+
+    metadata: bytes
+    carried: float
+
+
+def _signed_message(inner: bytes, carried: float) -> bytes:
+    return CONTEXT + struct.pack("<Id", len(inner), carried) + inner
+
+
+def sign_gather(inner: bytes, key: RSAPrivateKey, carried: float = 0.0) -> bytes:
+    """``inner`` (``group.encode_gather``) and the ``carried`` norm signed with ``key``: what hivemind gathers
+    from this member. ``ValueError`` unless ``carried`` is a finite float in ``[0, MAX_CARRIED]``."""
+    carried = float(carried)
+    if not 0.0 <= carried <= MAX_CARRIED:  # also refuses NaN
+        raise ValueError(f"carried norm must be within [0, {MAX_CARRIED}], got {carried!r}")
+    return MSGPackSerializer.dumps([inner, carried, key.get_public_key().to_bytes(),
+                                    key.sign(_signed_message(inner, carried))])
 
 
 def unsigned_payload(raw: object) -> bytes | None:
@@ -63,10 +90,16 @@ def unsigned_payload(raw: object) -> bytes | None:
 
 def open_gather(raw: object, peer_id: PeerID) -> bytes | str:
     """The metadata ``peer_id`` signed in ``raw``, or why ``raw`` is not such a claim."""
+    claim = open_claim(raw, peer_id)
+    return claim if isinstance(claim, str) else claim.metadata
+
+
+def open_claim(raw: object, peer_id: PeerID) -> Claim | str:
+    """The metadata and carried norm ``peer_id`` signed in ``raw``, or why ``raw`` is not such a claim."""
     entry = _split(raw)
     if isinstance(entry, str):
         return entry
-    inner, public_key, signature = entry
+    inner, carried, public_key, signature = entry
     known = _KEYS.get(peer_id.to_bytes())
     if known is not None and known[0] == public_key:
         parsed = known[1]
@@ -86,10 +119,10 @@ def open_gather(raw: object, peer_id: PeerID) -> bytes | str:
         while len(_KEYS) > _MAX_CACHED_KEYS:
             _KEYS.popitem(last=False)
     try:
-        valid = parsed.verify(CONTEXT + inner, signature)
+        valid = parsed.verify(_signed_message(inner, carried), signature)
     except Exception:  # noqa: BLE001
         valid = False
-    return inner if valid else "metadata signature does not verify"
+    return Claim(inner, carried) if valid else "metadata signature does not verify"
 
 
 def open_gathered(peer_ids: Sequence[PeerID], gathered: Sequence[object]) -> list[bytes | str]:
@@ -97,13 +130,17 @@ def open_gathered(peer_ids: Sequence[PeerID], gathered: Sequence[object]) -> lis
     return [open_gather(raw, peer) for peer, raw in zip(peer_ids, gathered, strict=True)]
 
 
-def _split(raw: object) -> tuple[bytes, bytes, bytes] | str:
+def _split(raw: object) -> tuple[bytes, float, bytes, bytes] | str:
     if not isinstance(raw, bytes) or len(raw) > MAX_SIGNED_GATHER_BYTES:
         return "signed metadata is not bytes of a sane size"
     try:
         entry = MSGPackSerializer.loads(raw)
     except Exception:  # noqa: BLE001
         return "signed metadata is not valid msgpack"
-    if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(isinstance(x, bytes) for x in entry):
-        return "metadata is not signed (expected [metadata, public key, signature])"
-    return entry[0], entry[1], entry[2]
+    if (not isinstance(entry, (list, tuple)) or len(entry) != 4
+            or not all(isinstance(entry[i], bytes) for i in (0, 2, 3))):
+        return "metadata is not signed (expected [metadata, carried norm, public key, signature])"
+    carried = entry[1]
+    if not isinstance(carried, float) or not math.isfinite(carried) or not 0.0 <= carried <= MAX_CARRIED:
+        return f"carried norm must be a float within [0, {MAX_CARRIED:g}]"
+    return entry[0], carried, entry[2], entry[3]

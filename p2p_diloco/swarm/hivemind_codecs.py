@@ -294,6 +294,13 @@ class CodecCompression(CompressionBase):
         """Drop what was kept for crediting: the round did not average, or a new one begins."""
         self._sent.clear()
 
+    def carried_norm(self) -> float:
+        """What our residuals add to our next parts (``ErrorFeedback.carried_norm``; 0 without error feedback):
+        the averager process signs it with the round's metadata (``claims``), and every member's limit on our
+        parts, and so its bound on replies, follows it (``core.bounds.fresh_limits``). One top-k pass over the
+        residuals when they changed since the last call (``round_process`` calls it once a round has ended)."""
+        return 0.0 if self.error_feedback is None else self.error_feedback.carried_norm()
+
     def reset_residuals(self) -> None:
         """Forget every error-feedback residual: the averager process calls it when our own reducer rejected our part
         (``round_process``), so a part the group refused is not sent again forever."""

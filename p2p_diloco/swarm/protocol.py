@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """1: every release before the version existed (names without it). 2: progress records carry ``phase_s``
 and ``protocol``. 3: each round matches under a key of its own epoch (:func:`round_group_bits`); a peer of
 version 2 declares under the old key and would never meet one of version 3 in a group, so the two are told
-apart by their names and refused with a log line instead."""
+apart by their names and refused with a log line instead. 4: the signed group metadata carries the member's
+carried norm (``claims``), which reducers clip to and members bound replies by; a version 3 entry would be
+refused as unsigned."""
 
 
 def versioned(name: str, protocol: int = PROTOCOL_VERSION) -> str:

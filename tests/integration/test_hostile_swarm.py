@@ -8,12 +8,13 @@ Six real ``RoundAverager`` processes on loopback form one group: three honest on
 
 A second group of four has a hostile reducer (``hostile_reducer@0=1e6``): it sends its groupmates one averaged
 part scaled by 1e6. Every honest member refuses it on receipt, skips the round and bans the reducer. Under
-top-k with error feedback a reply at about 127x one member's claim is refused too (the bound once let 620x
-through).
+top-k with error feedback a reply at about 13x one member's claim is refused too: the bound is 2.42 announced
+totals (each member's claim plus the carried norm it signed), where it once let 38.8 and then 620x through.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,7 +113,8 @@ def test_a_hostile_reducer_is_refused_by_every_member_and_banned(swarm: Swarm) -
 
 def test_a_hostile_topk_reducer_is_refused_where_the_old_bound_let_it_through(swarm: Swarm) -> None:
     # top-k with error feedback: the reducer's output bound once held the codec's tolerance twice (4 members:
-    # up to 620.8x one member's claim then, 38.8x now), and every member applied what it let through
+    # up to 620.8x one member's claim), then once (38.8x), and every member applied what it let through; now it
+    # holds each member's announced total (claim plus signed carried norm: 0 in a first round), 2.42x
     cfg = dict(run_id="topk-reducer", min_group_size=4, target_group_size=4, matchmaking_time_s=4.0,
                matchmaking_timeout_s=40.0, next_chunk_timeout_s=15.0, allreduce_timeout_s=60.0,
                part_size_bytes=1024, request_timeout_s=3.0)
@@ -120,10 +122,10 @@ def test_a_hostile_topk_reducer_is_refused_where_the_old_bound_let_it_through(sw
     common = dict(role="average", shapes=[[512, 512]], fingerprint="abcdef0123456789", cfg=cfg,
                   compression="topk")
     # random N(0, 1) pseudo-gradients: every member's claim is about 512 and a reply part's norm about 6.5, so
-    # its first part at x10^4 is about 127 claims (6.5e4): over the bound now (38.8 claims: 1.99e4), within the
-    # old one (620.8 claims: 3.2e5)
+    # its first part at x1000 is about 13 claims (6.5e3): over the bound now (2.42 claims: 1.24e3), within the
+    # old ones (38.8 claims: 1.99e4; 620.8 claims: 3.2e5)
     honest = [swarm.spawn(f"h{v}", fresh_seed=v, weight=1.0, **common) for v in (1, 2, 3)]
-    evil = swarm.spawn("evil", fresh_seed=4, weight=1.0, faults="hostile_reducer@0=10000", **common)
+    evil = swarm.spawn("evil", fresh_seed=4, weight=1.0, faults="hostile_reducer@0=1000", **common)
     swarm.wait_ready(timeout=120)
     results = {p.name: swarm.result(p, timeout=120) for p in [*honest, evil]}
     assert "FAULT FIRED hostile_reducer@0" in evil.log_tail(10**6)
@@ -133,6 +135,8 @@ def test_a_hostile_topk_reducer_is_refused_where_the_old_bound_let_it_through(sw
         assert result["outcome"] == "skipped" and result["fresh_mean"] is None, f"{result}\n{swarm.warnings()}"
         reasons = dict(entry.split(": ", 1) for entry in result["rejected"])
         assert set(reasons) == {evil_id}, reasons  # refused and named, no honest member blamed
+        bound = float(re.search(r"above the ([0-9.e+]+) any honest", reasons[evil_id]).group(1))
+        assert 2.0 * 512 < bound < 3.0 * 512, reasons  # 2.42 announced totals, nothing carried yet
 
 
 @pytest.mark.long

@@ -33,8 +33,9 @@ def test_a_member_s_own_claim_opens_and_forgeries_do_not() -> None:
     forged = sign_gather(encode_gather(None, AveragingMode.NODE, _info(1e11)), KEYS[2])
     assert "not by the member" in open_gather(forged, IDS[0])
     # or edits A's signed bytes in place
-    _, public, signature = MSGPackSerializer.loads(claim)
-    edited = MSGPackSerializer.dumps([encode_gather(None, AveragingMode.NODE, _info(1e11)), public, signature])
+    _, carried, public, signature = MSGPackSerializer.loads(claim)
+    edited = MSGPackSerializer.dumps([encode_gather(None, AveragingMode.NODE, _info(1e11)), carried, public,
+                                      signature])
     assert open_gather(edited, IDS[0]) == "metadata signature does not verify"
     # or relays it unsigned, or as junk
     assert "not signed" in open_gather(MSGPackSerializer.dumps([inner]), IDS[0])
