@@ -41,7 +41,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.serializer import MSGPackSerializer
 
-from p2p_diloco.core.chunks import DIGEST_BYTES, ChunkMap, ChunkPlan, manifest_wait_s
+from p2p_diloco.core.chunks import DIGEST_BYTES, MANIFEST_GRACE_S, ChunkMap, ChunkPlan, manifest_wait_s
 from p2p_diloco.swarm import commands
 from p2p_diloco.swarm.partial import PartialStore
 
@@ -113,10 +113,12 @@ def write_chunk(views: Sequence[np.ndarray], chunks: ChunkMap, index: int, data:
 
 _ANY = bytes(DIGEST_BYTES).hex()
 
-PIN_S = 2.0
+PIN_S = MANIFEST_GRACE_S + 2.0
 """A donor that served a manifest or a chunk this recently counts as serving a download (see
-``StateServer.withdraw``); longer than a joiner's wait for the other donors' manifests
-(``core.chunks.MANIFEST_GRACE_S``)."""
+``StateServer.withdraw``). A joiner asks for its first chunk only once the other donors' manifests had their
+grace (``core.chunks.MANIFEST_GRACE_S``, all of it when one directory entry stays silent), then checks them and
+sends the request: the pin covers that grace plus 2 s for the check and the request on a loaded machine. Shorter,
+a donor of rounds shorter than the grace stepped on in the gap, and every chunk request found another state."""
 
 
 class ServingCounters:

@@ -8,8 +8,10 @@ at a self-declared donor priority of 10^6. Once a and b stepped without c and th
 of that round, a and b are frozen (SIGSTOP of their whole process trees: a cut between c and every honest
 donor), so c's live catch-up can only meet the poison, and its fallback download can only meet the
 poisoner's state. c must refuse both (the trusted peers' published digest differs), stay on its last
-verified state, alive. Then the attack stops (the poisoner leaves, a and b resume): within 3 rounds c holds
-the swarm's parameters again, and it never held or served the poisoned ones.
+verified state, alive. Then the attack stops (the poisoner's process ends, a and b resume): within 3 rounds c
+holds the swarm's parameters again, and it never held or served the poisoned ones. The poisoner's directory
+entry stays, silent (its averager process outlives it), so c's downloads wait out the whole manifest grace
+each time: the honest donors must still serve what their manifests described by then (``chunk_transfer.PIN_S``).
 """
 
 from __future__ import annotations

@@ -129,4 +129,7 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        os._exit(0)  # the averager and DHT processes are daemons: they go with this one
+        # os._exit skips multiprocessing's exit handlers: the averager and DHT processes outlive this one (until
+        # the suite's reaper) and keep declaring it a donor at PRIORITY while answering nothing. The test relies
+        # on that silent directory entry: a peer that crashed leaves one too (core.chunks.manifest_wait_s).
+        os._exit(0)
