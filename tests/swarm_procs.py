@@ -28,6 +28,10 @@ FAST = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--matchmaking-time-s", "3", "-
         "--eval-batches", "2", "--eval-every", "1", "--outer-lr", "0.7", "--outer-momentum", "0.9", "--local-steps", "10", "--min-local-steps", "10"]
 
 
+GATED_PEER = Path(__file__).resolve().parent / "swarm_helpers" / "gated_peer.py"
+"""``run_peer`` with test gates (``start_peer(gates=...)``)."""
+
+
 def start_together(peers: int) -> str:
     """``P2P_DILOCO_FAULTS`` entry for ``peers`` peers a test starts at once and needs in one group from epoch 0.
 
@@ -90,12 +94,18 @@ def start_bootstrap(tmp: Path, *extra: str) -> tuple[subprocess.Popen, str]:
 
 
 
-def start_peer(tmp: Path, name: str, bootstrap: str, *extra: str, faults: str = "") -> subprocess.Popen:
+def start_peer(tmp: Path, name: str, bootstrap: str, *extra: str, faults: str = "",
+               gates: dict[int, Path] | None = None) -> subprocess.Popen:
+    """``gates``: epoch -> a file the peer waits for after its first inner step of that epoch
+    (``swarm_helpers/gated_peer.py``; needs ``faults``), so a test paces it by events it saw."""
     out = open(tmp / f"{name}.out", "a")
-    args = [sys.executable, "-m", "p2p_diloco.cli.run_peer", *FAST, "--initial-peers", bootstrap,
+    program = [str(GATED_PEER)] if gates else ["-m", "p2p_diloco.cli.run_peer"]
+    args = [sys.executable, *program, *FAST, "--initial-peers", bootstrap,
             "--log-file", str(tmp / f"{name}.jsonl"), *extra]
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                            env=env(**({"P2P_DILOCO_FAULTS": faults} if faults else {})))
+    extra_env = {"P2P_DILOCO_FAULTS": faults} if faults else {}
+    if gates:
+        extra_env["P2P_TEST_GATES"] = ";".join(f"{epoch}={path}" for epoch, path in gates.items())
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env(**extra_env))
 
 
 def wait_all(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, int]:

@@ -40,10 +40,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 FINGERPRINT = "abcdef0123456789"
 PER_WAY = 8
 """Streams held per RPC and way: enough to see that none survives, few enough for any open-files limit."""
-MANIFEST_TRIES = 3
-"""Manifest requests the honest caller makes after the attack before the test fails. A joiner that gets an empty
-answer asks its other donors and again at its next catch-up, so one empty answer is not a denial of service; all
-three empty is. Each try is bounded by 30 s."""
+# The empty answer allowed below: one CI run (before this file printed the donor's log) saw one after the attack,
+# and its cause is not found. An honest caller gets an empty answer only where the donor closes its stream without
+# a message: a request not complete within request_timeout_s or over MAX_WAITING_PER_PEER (bounded_rpc: "Closed a
+# ... stream from <caller>"), the gate's refusal ("Refused a state chunk to <caller>"), no state or no manifest to
+# serve (chunk_transfer: "No state to serve", "No manifest for digest"), each logged by the donor at DEBUG or
+# above; a libp2p reset of the stream reads as an empty answer too, and is logged by none. 220 requests after 22
+# attacks (idle, and with two and three busy loops on the two cores) got no empty answer, and the honest requests
+# were read within 23 ms of their 1 s bound. A second empty answer fails the test and prints the donor's log.
+MANIFEST_TRIES = 2
+"""Manifest requests the honest caller makes after the attack: at most one may get an empty answer. A joiner that
+gets one asks its other donors and again at its next catch-up, so one is not a denial of service. Each try is
+bounded by 30 s."""
 CLOSE_WAIT_S = 60.0
 """Bound on the wait for the donor to close them all: its limits are ``request_timeout_s`` (1 s on loopback) and,
 for the all-reduce, ``next_chunk_timeout_s`` (5 s)."""

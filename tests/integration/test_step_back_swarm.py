@@ -1,54 +1,72 @@
-"""A peer that arrives early and alone steps back, and the two due peers arriving together as its first window
-ends all average with it (``quorum.EarlyAssembly``).
+"""A peer alone as its first window ends steps back and takes no follower until it declares again
+(``quorum.EarlyAssembly.install``): two due peers arriving in those moments and just after all average with it.
 
-The only live test of stepping back. Before the fix it guards, the early peer still took followers between
-stepping back and its next declaration, and hivemind formed its group when that declaration ended with
-whoever had joined: the first of the two joined 10 ms before the end and was grouped with it alone, the
-second was cut and resynced (measured on loopback, 1 round in 6 that stepped back). That needs the first
-arrival in the last half second of the window and the second just after it, so this test does not reproduce
-it on demand (without the fix it passed 2 of 2 runs: the others arrived after the window); the unit test
-(``tests/unit/test_quorum.py``) drives the refusal itself. What this one asserts: the early peer steps back
-and the rounds where it did group all three with one result.
+The scenario the fix guards, staged on events instead of hoped for: c starts its round alone (a and b are up,
+their progress records read, but each waits for its own go file), steps back (its log says so), and only then
+is a released: a asks c while c's old declaration still stands. b is released once that answer is known: a
+refused by c (the fix), or a grouped with c and c's group formed at the end of that declaration (without the
+fix: hivemind forms a leader's group when its declaration ends with whoever joined, so a is grouped with c
+alone and b, arriving next, is cut). The test then asserts one group of all three with one result, and that c
+refused a: without the refusal it fails every time (checked by turning ``install`` into a no-op).
+
+``STEP_BACK_LEAD_S`` is raised to 2 s in these peers (0.5 s in production, with windows of 8 s here) so that
+a's request reaches c inside those moments even on a loaded machine; what is tested does not depend on it.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from swarm_procs import events, start_bootstrap, start_peer, start_together, tail, wait_all
+from swarm_helpers.staged import StagedSwarm, log_has, wait_for_log
 
-pytestmark = [pytest.mark.long, pytest.mark.slow, pytest.mark.timeout(300)]
+from p2p_diloco.swarm import SwarmConfig, start_dht, visible_maddrs
 
-NAMES = "abc"
-ROUNDS = 9
-LATE = ",".join(f"slow_steps@{e}={s}" for e, s in ((2, 0.26), (4, 0.27), (6, 0.28), (8, 0.29)))
-"""a and b sleep after each of the 10 steps of these epochs: they arrive together about 2.6 to 2.9 s after c (more under load), which
-steps back 0.5 s before its 3 s window ends (``quorum.STEP_BACK_LEAD_S``). So they come in the last moments of
-c's declaration or just after it, where the old rule cut one of them."""
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+FINGERPRINT = "abcdef0123456789"
+SHAPES = [[3, 4], [5]]
+WINDOW_S = 8.0
+LEAD_S = 2.0
+"""c steps back ``LEAD_S`` before its first window ends: the moments a has to reach c in (see the docstring)."""
+EVENT_WAIT_S = 40.0
+_runs = itertools.count()
 
 
-def test_two_due_peers_arriving_as_an_early_peers_window_ends_both_average_with_it(tmp_path: Path) -> None:
-    boot, maddr = start_bootstrap(tmp_path)
-    args = ("--run-id", "stepback", "--max-rounds", str(ROUNDS))
-    procs = {n: start_peer(tmp_path, n, maddr, *args,
-                           faults=start_together(3) if n == "c" else f"{start_together(3)},{LATE}") for n in NAMES}
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[StagedSwarm]:
+    dht = start_dht(SwarmConfig.for_loopback())
+    swarm = StagedSwarm(tmp_path, visible_maddrs(dht))
     try:
-        codes = wait_all(procs, 240)
+        yield swarm
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        boot.terminate()
-        boot.wait(timeout=30)
-    assert codes == dict.fromkeys(NAMES, 0), {n: tail(tmp_path, n) for n in NAMES}
-    rounds = {n: {r["epoch"]: r for r in events(tmp_path, n, "round")} for n in NAMES}
-    stepped = [e for e, r in rounds["c"].items() if r["stepped_back"]]
-    # the scenario happened: c arrived alone and stepped back in most of the slowed epochs
-    assert len(stepped) >= 2, {e: (r["outcome"], r["wait_seconds"]) for e, r in rounds["c"].items()}
-    for epoch in stepped:
-        # ... and each of those rounds grouped all three, with one result
-        got = {n: rounds[n].get(epoch) for n in NAMES}
-        assert all(r is not None and r["outcome"] == "averaged" and r["group_size"] == len(NAMES)
-                   for r in got.values()), {n: r and (r["outcome"], r["group_size"], r["reason"]) for n, r in got.items()}
-        assert len({r["params_sha256"] for r in got.values()}) == 1, epoch
+        swarm.stop()
+        dht.shutdown()
+
+
+def test_two_due_peers_arriving_as_an_early_peers_window_ends_both_average_with_it(swarm: StagedSwarm) -> None:
+    cfg = dict(run_id=f"stepback{next(_runs)}", min_group_size=2, target_group_size=8, matchmaking_time_s=WINDOW_S,
+               matchmaking_timeout_s=30.0)
+    peers = {name: swarm.spawn(name, role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg,
+                               fresh=float(i + 1), weight=1.0, expect_due=True, step_back_lead_s=LEAD_S)
+             for i, name in enumerate("abc")}
+    a, b, c = peers["a"], peers["b"], peers["c"]
+    swarm.wait_ready()  # every progress record is published: each peer's round knows all three are due
+    c_id = c.info["peer_id"]
+    swarm.release(c)
+    wait_for_log([c], lambda: log_has(c, r"Alone as the window ends while 2 due peer"), EVENT_WAIT_S,
+                 "c stepping back")
+    swarm.release(a)
+    refused = rf"requested {c_id} to be my leader, but got rejected with BAD_EXPIRATION_TIME"
+    wait_for_log([a, c], lambda: log_has(a, refused) or (log_has(a, rf"joining the group of {c_id}")
+                                                         and log_has(c, r"assembled group of")),
+                 EVENT_WAIT_S, "a's request to c answered while c's old declaration stood")
+    swarm.release(b)
+    results = {name: swarm.result(peer, timeout=90.0) for name, peer in peers.items()}
+    summary = {n: (r["outcome"], r["group_size"], r["reason"]) for n, r in results.items()}
+    for name, result in results.items():
+        assert result["outcome"] == "averaged" and result["group_size"] == 3, (name, summary, swarm.warnings())
+    assert len({r["fresh_sha"] for r in results.values()}) == 1, summary
+    assert log_has(a, refused), "c took a as its follower after stepping back"

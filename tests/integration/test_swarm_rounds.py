@@ -182,17 +182,21 @@ def test_member_reporting_an_incomplete_allreduce_makes_everyone_skip(swarm: Swa
 
 
 def test_followers_outwait_a_leader_that_stalls_before_assembling(swarm: Swarm) -> None:
-    # Whoever leads freezes for 2.5 request timeouts when its expiration comes, as on an overloaded machine.
-    # Its followers gave up at their expiration + request_timeout_s before (the group then counted in members
-    # that had left, and every member skipped); now they wait 2 * request_timeout_s longer.
+    # Whoever leads freezes its event loop when it is about to form the group, as on an overloaded machine,
+    # until every follower's old give-up time has passed (its declared expiration + request_timeout_s: the
+    # fault hook reads them from the join requests it accepted). hivemind's followers left then, the group
+    # counted in members that had left, and every member skipped; now they wait 2 * request_timeout_s longer
+    # (swarm.patience), so the leader's stall ends on an event the old rule never survived, not after a fixed
+    # time whose margin a loaded machine could eat.
     cfg = _cfg(min_group_size=3, target_group_size=8, request_timeout_s=1.0)
     common = dict(role="average", shapes=SHAPES, fingerprint=FINGERPRINT, cfg=cfg, weight=1.0,
-                  faults="stall_leader@0=2.5")
+                  fault="stall_past_followers_old_deadline")
     peers = [swarm.spawn(f"p{i}", fresh=float(i + 1), **common) for i in range(3)]
     swarm.wait_ready()
     results = [swarm.result(p) for p in peers]
-    stalled = [p.name for p in peers if "FAULT FIRED stall_leader@0" in p.log_tail(10**6)]
-    assert len(stalled) == 1, stalled  # one leader, and it did stall
+    stalled = [p.name for p in peers
+               if "FAULT FIRED stall_past_followers_old_deadline: 2 followers" in p.log_tail(10**6)]
+    assert len(stalled) == 1, (stalled, swarm.warnings())  # one leader, with both followers, and it did stall
     for result in results:
         assert result["outcome"] == "averaged", f"{result['reason']}\n{swarm.warnings()}"
         assert result["group_size"] == 3

@@ -87,8 +87,34 @@ class FlaggingCompression(NoCompression):
         return message
 
 
+def stall_past_followers_old_deadline(stage: str, fired: list[str] = []) -> None:  # noqa: B006 - fires once
+    """Fault hook: as the leader about to form its group, block the averager's event loop (an overloaded
+    machine) until every follower's give-up time *without* ``swarm.patience`` has passed: its own declared
+    expiration plus ``request_timeout`` (what hivemind's follower waited before). The stall ends on that event,
+    read from the followers' own join requests, not after a fixed time; only ``patience`` keeps them waiting."""
+    if stage != "assemble" or fired:
+        return
+    import gc
+
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.utils import get_dht_time
+
+    matchmaking = next(o for o in gc.get_objects() if isinstance(o, Matchmaking))
+    # hivemind's admission saw each request through ``JoinTiming.leader_view``: its own expiration, patience off
+    expirations = [request.expiration for request in matchmaking.current_followers.values()]
+    old_deadline = max(expirations, default=get_dht_time()) + matchmaking.request_timeout
+    began = get_dht_time()
+    while get_dht_time() <= old_deadline and get_dht_time() - began < MAX_WAIT_S:
+        time.sleep(0.01)
+    fired.append(stage)
+    print(f"FAULT FIRED stall_past_followers_old_deadline: {len(expirations)} followers, stalled "
+          f"{get_dht_time() - began:.2f} s, {get_dht_time() - old_deadline:.2f} s past their old deadline",
+          flush=True)
+
+
 FAULT_HOOKS = {"kill_on_part_sent": kill_own_process_group, "deny_confirm": deny_completion,
-               "kill_on_second_chunk": kill_on_second_chunk}
+               "kill_on_second_chunk": kill_on_second_chunk,
+               "stall_past_followers_old_deadline": stall_past_followers_old_deadline}
 
 
 def wait_until_declared(averager: RoundAverager, timeout: float = MAX_WAIT_S) -> bool:
