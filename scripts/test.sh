@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up, then run the test suite.
 #
-#   bash scripts/test.sh                 every test, what CI runs (about 50 minutes on 2 cores), in three phases,
+#   bash scripts/test.sh                 every test (about 50 minutes on 2 cores), in three phases,
 #                                        fastest first so a unit failure shows in minutes:
 #     1. every test not marked `slow` on both cores (pytest-xdist, a file per worker): unit tests and
 #        single-process integration tests, whose outcome does not depend on the machine's load;
@@ -9,7 +9,7 @@
 #        deadlines and record lifetimes decide what happens, so they get the machine to themselves;
 #     3. the `long` tests, one at a time: whole scenarios of a minute or more each (home networks behind NAT,
 #        relays, attacks over many rounds, monitoring, fragments, codecs end to end).
-#   bash scripts/test.sh --quick         phases 1 and 2 (about 10 minutes), for development.
+#   bash scripts/test.sh --quick         phases 1 and 2 (about 10 minutes): what .ci/run runs today.
 #   bash scripts/test.sh --long          phase 3 only.
 #   bash scripts/test.sh PYTEST_ARGS...  plain pytest with those arguments (e.g. tests/unit -x).
 #
